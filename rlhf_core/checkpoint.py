@@ -1,0 +1,149 @@
+"""Atomic, pickle-free PPO checkpoints: weights and optimizer tensors in safetensors, the rest in JSON.
+
+Layout of ``<root>/step_000010/``: ``policy.safetensors``, ``value.safetensors``, optional
+``reference.safetensors``, ``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors`` and
+``state.json``. ``<root>/latest`` names the newest complete checkpoint; a directory only gets its final
+name after every file in it is written, so a run killed mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+LATEST = "latest"
+
+
+def flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (``state/<param>/<name>``) and JSON-able metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param_id, param_state in state_dict["state"].items():
+        for name, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state/{param_id}/{name}"] = value.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(param_id), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`flatten_optimizer`."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, param_id, name = key.split("/", 2)
+        state.setdefault(int(param_id), {})[name] = value
+    for param_id, values in meta["scalars"].items():
+        state.setdefault(int(param_id), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _python_rng_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _numpy_rng_state() -> list[Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def _restore_global_rng(state: dict[str, Any], rng_tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy_rng"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(rng_tensors["torch_global"])
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True))
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    modules: dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``<root>/step_<step>`` atomically and point ``latest`` at it; keep the newest ``keep``.
+
+    ``modules`` maps a file stem (``policy``, ``value``, ``reference``) to a module; ``state`` is any
+    JSON-serialisable dict (KL controller, sampler cursor, scheduler, history ...).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    for stem, module in modules.items():
+        save_model(module, str(tmp / f"{stem}.safetensors"))
+    opt_tensors, opt_meta = flatten_optimizer(optimizer.state_dict())
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    _write_json(tmp / "optimizer.json", opt_meta)
+    save_file({"generator": generator.get_state(), "torch_global": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    _write_json(tmp / "state.json", {**state, "step": step, "python_rng": _python_rng_state(), "numpy_rng": _numpy_rng_state()})
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _point_latest(root, final.name)
+    _prune(root, keep)
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(name)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[: max(0, len(steps) - keep)]:
+        shutil.rmtree(old)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directory under ``root``, or None."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    modules: dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+) -> dict[str, Any]:
+    """Restore weights, optimizer, generator and global RNGs in place; return the JSON state."""
+    path = Path(path)
+    for stem, module in modules.items():
+        file = path / f"{stem}.safetensors"
+        if not file.exists():
+            raise FileNotFoundError(f"checkpoint {path} has no {file.name}; it was saved with other model roles")
+        load_model(module, str(file))
+    meta = json.loads((path / "optimizer.json").read_text())
+    optimizer.load_state_dict(unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta))
+    rng = load_file(str(path / "rng.safetensors"))
+    generator.set_state(rng["generator"])
+    state = json.loads((path / "state.json").read_text())
+    _restore_global_rng(state, rng)
+    return state

@@ -1,0 +1,166 @@
+"""Typed, frozen configuration for the core algorithms. One docstring per field.
+
+Defaults follow the consensus of TRL 1.12 / OpenRLHF / verl where they agree (see docs/formulas.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlhf_core.kl import KLEstimator
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How rollouts are sampled."""
+
+    max_new_tokens: int = 48
+    """Longest response; a response that reaches it without a stop token is 'truncated'."""
+    temperature: float = 1.0
+    """Sampling temperature; also divides the logits in every log-prob recomputation."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling (0 = off). Log-probs use the full softmax."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off). Log-probs use the full softmax."""
+    batch_size: int = 64
+    """Prompts generated at once (rollouts are produced in chunks of this size)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """The KL leash between the policy and the frozen reference."""
+
+    coef: float = 0.05
+    """Initial beta (TRL 0.05, OpenRLHF 0.01, verl 0.001)."""
+    estimator: KLEstimator = "k1"
+    """Per-token KL estimator used for the penalty: k1 (TRL default), k2, k3, abs."""
+    placement: Literal["reward", "loss"] = "reward"
+    """'reward': -beta*kl in the per-token reward (InstructGPT); 'loss': beta*KL added to the loss (GRPO-style)."""
+    adaptive: bool = False
+    """Adapt beta towards `target` per-sequence KL (Ziegler et al.); else beta stays fixed."""
+    target: float = 6.0
+    """Target per-sequence KL (nats, summed over tokens) for the adaptive controller."""
+    horizon: float = 10000.0
+    """Adaptive controller horizon in samples: larger = slower adaptation."""
+
+
+@dataclass(frozen=True)
+class RewardShapingConfig:
+    """How sequence scores become rewards."""
+
+    missing_stop_penalty: float | None = None
+    """If set, a response that ends without a stop token gets this score instead of the model's."""
+    clip: float | None = None
+    """Clip scores to [-clip, clip] (OpenRLHF 10, DeepSpeed-Chat 5); None = off."""
+    normalize: bool = False
+    """Normalise scores with running mean/std across batches (mean shifted)."""
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """One PPO update = one rollout batch, `ppo_epochs` passes over it in mini-batches."""
+
+    rollout_batch_size: int = 64
+    """Prompts (= rollouts) per PPO update."""
+    mini_batch_size: int = 16
+    """Rollouts per optimizer step; must divide rollout_batch_size."""
+    micro_batch_size: int = 16
+    """Rollouts per forward/backward; mini_batch_size / micro_batch_size = gradient-accumulation steps."""
+    ppo_epochs: int = 4
+    """Passes over each rollout batch (TRL 4; OpenRLHF/verl 1)."""
+    learning_rate: float = 1e-5
+    """Policy learning rate (AdamW)."""
+    value_learning_rate: float = 1e-5
+    """Value model (critic or value head) learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """Learning-rate schedule over `total_updates` optimizer steps."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    total_updates: int = 100
+    """Planned PPO updates (used only by the linear schedule)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip per model (TRL's PPO never applied its own; we do)."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    clip_range_value: float | None = 0.2
+    """Value clip epsilon around the old values; None disables value clipping."""
+    vf_coef: float = 0.1
+    """c1: weight of the value loss in the combined objective."""
+    entropy_coef: float = 0.0
+    """c2: weight of the entropy bonus."""
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    advantage: Literal["gae", "sequence"] = "gae"
+    """'gae': token-level GAE; 'sequence': A = R - V(s) broadcast over tokens."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the rollout batch (mean shifted)."""
+    value_model: Literal["critic", "head"] = "head"
+    """'critic': separate model initialised from the reward model; 'head': linear value head on the policy."""
+    ref_refresh_every: int = 0
+    """Copy the policy into the reference every N updates (0 = never)."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """KL penalty settings."""
+    reward: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    """Score shaping settings."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollout sampling settings."""
+    seed: int = 0
+    """Seed for prompt order and sampling."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ValueError(
+                f"ppo.mini_batch_size ({self.mini_batch_size}) must divide "
+                f"ppo.rollout_batch_size ({self.rollout_batch_size})"
+            )
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"ppo.micro_batch_size ({self.micro_batch_size}) must divide "
+                f"ppo.mini_batch_size ({self.mini_batch_size})"
+            )
+        if self.whiten_advantages and self.rollout_batch_size < 8:
+            raise ValueError(
+                "ppo.whiten_advantages needs ppo.rollout_batch_size >= 8 (whitening a tiny batch is noise); "
+                "raise the batch size or set whiten_advantages=False"
+            )
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+
+
+@dataclass(frozen=True)
+class RewardTrainingConfig:
+    """Bradley-Terry reward-model training."""
+
+    epochs: int = 1
+    """Passes over the training pairs."""
+    batch_size: int = 16
+    """Pairs per optimizer step."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    max_length: int = 256
+    """Tokens per prompt+response; longer inputs keep the end (where the reply is) and are counted."""
+    use_margin: bool = False
+    """Subtract the per-pair `margin` column inside the sigmoid (Llama-2 style)."""
+    center_rewards_coef: float | None = None
+    """If set, add coef * mean((s_chosen + s_rejected)^2) to keep scores centred (TRL option)."""
+    seed: int = 0
+    """Seed for shuffling and head initialisation."""

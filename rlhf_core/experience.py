@@ -1,0 +1,183 @@
+"""Experience collection: generate -> old log-probs / values / reference log-probs -> scores -> rewards -> GAE.
+
+Everything here runs without gradients; the results are constants for the PPO update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from rlhf_core.advantages import gae, sequence_advantages, whiten_advantages
+from rlhf_core.config import PPOConfig
+from rlhf_core.kl import kl_estimate
+from rlhf_core.masking import masked_mean, masked_sum
+from rlhf_core.models import Critic, ValueHead, critic_forward, policy_forward
+from rlhf_core.rewards import RunningMoments, shape_scores, token_rewards
+from rlhf_core.rollout import Rollout, generate, left_pad
+from rlhf_core.scoring import Scorer
+from rlhf_core.stats import RolloutStats
+
+
+@dataclass
+class PPOModels:
+    """The four roles. Exactly one of ``value_head`` / ``critic`` is set."""
+
+    policy: nn.Module
+    reference: nn.Module
+    scorer: Scorer
+    stop_token_ids: tuple[int, ...]
+    pad_token_id: int
+    value_head: ValueHead | None = None
+    critic: Critic | None = None
+
+    def __post_init__(self) -> None:
+        if (self.value_head is None) == (self.critic is None):
+            raise ValueError("PPOModels needs exactly one value model: value_head (on the policy) or critic")
+        if self.pad_token_id in self.stop_token_ids:
+            raise ValueError(
+                f"pad token id {self.pad_token_id} is also a stop token: the stop token would be masked and "
+                "the policy would never learn to stop. Give the tokenizer a pad token distinct from eos"
+            )
+
+    def value_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters of the value model."""
+        module = self.value_head if self.value_head is not None else self.critic
+        return [p for p in module.parameters() if p.requires_grad]
+
+
+@dataclass
+class Experience:
+    """A scored rollout batch with everything the update needs. Per-token tensors are (B, Tr)."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    scores: torch.Tensor
+    """(B,) shaped sequence scores."""
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    """Whitened when configured."""
+    returns: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> Experience:
+        """Rows ``index`` of every field."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Experience(**{k: v.select(index) if isinstance(v, Rollout) else v[index] for k, v in values.items()})
+
+
+@torch.no_grad()
+def old_policy_outputs(
+    models: PPOModels, rollout: Rollout, temperature: float, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Old log-probs, reference log-probs and old values, in chunks. -> three (B, Tr) tensors."""
+    query_len = rollout.query_ids.shape[1]
+    logprobs, ref_logprobs, values = [], [], []
+    for start in range(0, rollout.query_ids.shape[0], batch_size):
+        chunk = rollout.select(slice(start, start + batch_size))
+        ids, mask = chunk.input_ids, chunk.attention_mask
+        out = policy_forward(models.policy, ids, mask, query_len, temperature, models.value_head)
+        logprobs.append(out.logprobs)
+        ref_logprobs.append(policy_forward(models.reference, ids, mask, query_len, temperature).logprobs)
+        values.append(out.values if out.values is not None else critic_forward(models.critic, ids, mask, query_len))
+    return torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values)
+
+
+def collect_experience(
+    models: PPOModels,
+    prompts: Sequence[Sequence[int]],
+    config: PPOConfig,
+    beta: float,
+    generator: torch.Generator,
+    moments: RunningMoments,
+) -> tuple[Experience, RolloutStats, float, float]:
+    """Generate and score one rollout batch. Returns (experience, stats, generation s, scoring s)."""
+    device = next(models.policy.parameters()).device
+    started = time.monotonic()
+    rollouts = []
+    for start in range(0, len(prompts), config.generation.batch_size):
+        query_ids, query_mask = left_pad(prompts[start : start + config.generation.batch_size], models.pad_token_id)
+        rollouts.append(
+            generate(models.policy, query_ids.to(device), query_mask.to(device), config.generation,
+                     models.stop_token_ids, models.pad_token_id, generator)
+        )
+    rollout = concat_rollouts(rollouts, models.pad_token_id)
+    generated = time.monotonic()
+    old_logprobs, ref_logprobs, old_values = old_policy_outputs(
+        models, rollout, config.generation.temperature, config.micro_batch_size
+    )
+    raw_scores = models.scorer(rollout).to(device).float()
+    scored = time.monotonic()
+    experience, stats = build_experience(rollout, old_logprobs, ref_logprobs, old_values, raw_scores, config, beta, moments)
+    return experience, stats, generated - started, scored - generated
+
+
+def build_experience(
+    rollout: Rollout,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    old_values: torch.Tensor,
+    raw_scores: torch.Tensor,
+    config: PPOConfig,
+    beta: float,
+    moments: RunningMoments,
+) -> tuple[Experience, RolloutStats]:
+    """Scores -> per-token rewards -> advantages and returns (before whitening) -> whitened advantages."""
+    mask = rollout.response_mask
+    scores = shape_scores(raw_scores, rollout.stopped, config.reward.missing_stop_penalty, config.reward.clip)
+    if config.reward.normalize:
+        moments.update(scores)
+        scores = moments.normalise(scores)
+    kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator)
+    penalty_beta = beta if config.kl.placement == "reward" else 0.0
+    rewards = token_rewards(scores, kl, penalty_beta, mask)
+    if config.advantage == "gae":
+        advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
+    else:
+        advantages, returns = sequence_advantages(rewards, old_values, mask)
+    raw_advantage_mean = float(masked_mean(advantages, mask))
+    if config.whiten_advantages:
+        advantages = whiten_advantages(advantages, mask)
+    experience = Experience(rollout, old_logprobs, ref_logprobs, old_values, scores, rewards, advantages, returns)
+    k3 = kl_estimate(old_logprobs, ref_logprobs, "k3")
+    stats = RolloutStats(
+        score_mean=float(scores.mean()),
+        score_std=float(scores.std(unbiased=False)),
+        raw_score_mean=float(raw_scores.mean()),
+        reward_mean=float(masked_sum(rewards, mask, dim=1).mean()),
+        kl_mean=float(masked_sum(kl, mask, dim=1).mean()),
+        kl_k3_mean=float(masked_sum(k3, mask, dim=1).mean()),
+        kl_coef=beta,
+        response_length_mean=float(mask.sum(dim=1).float().mean()),
+        stop_rate=float(rollout.stopped.float().mean()),
+        value_mean=float(masked_mean(old_values, mask)),
+        advantage_mean=raw_advantage_mean,
+        return_mean=float(masked_mean(returns, mask)),
+    )
+    return experience, stats
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollout chunks whose query and response widths differ (queries left-, responses right-padded)."""
+    if len(parts) == 1:
+        return parts[0]
+    q_width = max(p.query_ids.shape[1] for p in parts)
+    r_width = max(p.response_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, width: int, value: float | bool, left: bool) -> torch.Tensor:
+        extra = width - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        query_ids=torch.cat([pad(p.query_ids, q_width, pad_token_id, True) for p in parts]),
+        query_mask=torch.cat([pad(p.query_mask, q_width, False, True) for p in parts]),
+        response_ids=torch.cat([pad(p.response_ids, r_width, pad_token_id, False) for p in parts]),
+        response_mask=torch.cat([pad(p.response_mask, r_width, False, False) for p in parts]),
+        logprobs=torch.cat([pad(p.logprobs, r_width, 0.0, False) for p in parts]),
+        stopped=torch.cat([p.stopped for p in parts]),
+    )

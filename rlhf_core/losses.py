@@ -1,0 +1,106 @@
+"""PPO and reward-model losses as small pure functions. Token means are taken over ``response_mask``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.masking import masked_mean
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """Clipped-surrogate loss with its diagnostics (all scalars)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float = 0.2,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, token-mean over the mask.
+
+    logprobs (with grad), old_logprobs, advantages, response_mask: (B, T).
+    ``clipfrac`` is the fraction of real tokens where the clipped branch was taken;
+    ``approx_kl = 0.5 * mean((logp - old_logp)^2)`` (the k2 estimate of KL(old || new)).
+    """
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        approx_kl = 0.5 * masked_mean(log_ratio**2, response_mask)
+        ratio_mean = masked_mean(ratio, response_mask)
+    return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    """Clipped value loss with its diagnostics (all scalars)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range_value: float | None = 0.2,
+) -> ValueLossOutput:
+    """``0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)``, token-mean over the mask.
+
+    values (with grad), old_values, returns, response_mask: (B, T). ``clip_range_value=None`` disables
+    clipping (plain ``0.5 * (V - R)^2``).
+    """
+    zeros = torch.zeros_like(values)
+    # Errors are masked BEFORE squaring: garbage (NaN/inf) in masked returns or old values would
+    # otherwise give NaN * 0 = NaN gradients at masked positions, which then poison the critic.
+    unclipped = torch.where(response_mask, values - returns, zeros) ** 2
+    if clip_range_value is None:
+        loss = 0.5 * masked_mean(unclipped, response_mask)
+        return ValueLossOutput(loss, torch.zeros((), device=values.device))
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    clipped = torch.where(response_mask, values_clipped - returns, zeros) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+    return ValueLossOutput(loss, clipfrac)
+
+
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reward-model loss ``-log sigmoid(s_chosen - s_rejected - margin)``, batch mean. (B,), (B,) -> scalar."""
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+def ppo_objective(
+    pg_loss: torch.Tensor,
+    vf_loss: torch.Tensor,
+    entropy: torch.Tensor,
+    vf_coef: float,
+    entropy_coef: float,
+    kl_loss: torch.Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+) -> torch.Tensor:
+    """The combined objective ``policy + c1 * value - c2 * entropy (+ c3 * KL)`` (all scalars)."""
+    total = pg_loss + vf_coef * vf_loss - entropy_coef * entropy
+    if kl_loss is not None:
+        total = total + kl_loss_coef * kl_loss
+    return total

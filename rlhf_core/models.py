@@ -1,0 +1,165 @@
+"""The four PPO roles and the forward passes over ``[query | response]`` batches.
+
+- policy: ``AutoModelForCausalLM`` (trainable); reference: a frozen copy of it;
+- reward model: ``AutoModelForSequenceClassification(num_labels=1)``, score read at the last real token;
+- value model: a linear head on the policy's last hidden state, or a separate critic initialised from
+  the reward model (its backbone and its score head, applied at every token).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+
+from rlhf_core.masking import entropy_from_logits, last_token_index, logprobs_from_logits
+from rlhf_core.rollout import positions_from_mask
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0 (rollouts, scoring and updates all run without dropout)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode, no gradients, no dropout: for the reference and reward models."""
+    model.eval()
+    model.requires_grad_(False)
+    return disable_dropout(model)
+
+
+def load_policy(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a causal LM (Hugging Face id or local directory) with dropout off."""
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+
+
+def make_reference(policy: nn.Module) -> nn.Module:
+    """A frozen deep copy of the policy."""
+    return freeze(copy.deepcopy(policy))
+
+
+def load_reward_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a 1-label sequence classifier and check it really has one output."""
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    if model.config.num_labels != 1:
+        raise ValueError(
+            f"reward model at {path} has num_labels={model.config.num_labels}; a reward model needs "
+            "num_labels=1 (one scalar score per sequence)"
+        )
+    return model
+
+
+def split_classifier(model: PreTrainedModel) -> tuple[nn.Module, nn.Linear]:
+    """The backbone and the linear score head of a sequence classifier (GPT-2/Llama/Mistral style).
+
+    Heads that pool internally (e.g. RoBERTa's dense+proj on <s>) are not per-token and cannot serve a
+    critic; the error says so.
+    """
+    backbone = getattr(model, model.base_model_prefix, None)
+    head = getattr(model, "score", None)
+    if backbone is None or not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__} has no per-token linear 'score' head; use a decoder reward model "
+            "(GPT-2, Llama, Mistral, Qwen ...) or ppo.value_model='head'"
+        )
+    return backbone, head
+
+
+def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Score head applied at every position of a sequence classifier. (B, T), (B, T) -> (B, T)."""
+    backbone, head = split_classifier(model)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
+    ).last_hidden_state  # (B, T, H)
+    return head(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score read at the LAST REAL token of each row. (B, T), (B, T) -> (B,).
+
+    Works for left, right or mixed padding because the index comes from the attention mask, not from
+    searching for pad ids (which breaks when pad == eos).
+    """
+    per_token = token_scores(model, input_ids, attention_mask)
+    last = last_token_index(attention_mask.bool())
+    return per_token.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+class ValueHead(nn.Module):
+    """A linear value head on the policy's last hidden state, initialised near zero."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5 * 0.01)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) -> (B, T)."""
+        return self.summary(hidden).squeeze(-1).float()
+
+
+class Critic(nn.Module):
+    """A separate value model: a reward model's backbone and score head, applied at every token."""
+
+    def __init__(self, reward_model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = disable_dropout(copy.deepcopy(reward_model))
+        self.model.requires_grad_(True)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T), (B, T) -> per-token values (B, T)."""
+        return token_scores(self.model, input_ids, attention_mask)
+
+
+@dataclass
+class PolicyOutput:
+    """Forward-pass results on the response span. All (B, Tr)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+def response_slice(full: torch.Tensor, query_len: int) -> torch.Tensor:
+    """Positions whose outputs predict the response tokens: ``[Tq - 1, T - 1)``. (B, T, ...) -> (B, Tr, ...)."""
+    return full[:, query_len - 1 : -1]
+
+
+def policy_forward(
+    policy: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    query_len: int,
+    temperature: float,
+    value_head: ValueHead | None = None,
+    with_entropy: bool = False,
+) -> PolicyOutput:
+    """Log-probs of the response tokens (temperature applied), optional entropy and head values.
+
+    input_ids, attention_mask: (B, Tq + Tr); the response is ``input_ids[:, query_len:]``.
+    """
+    out = policy(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions_from_mask(attention_mask),
+        output_hidden_states=value_head is not None,
+    )
+    logits = response_slice(out.logits, query_len)  # (B, Tr, V)
+    logprobs = logprobs_from_logits(logits, input_ids[:, query_len:], temperature)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    values = None
+    if value_head is not None:
+        values = value_head(response_slice(out.hidden_states[-1], query_len))
+    return PolicyOutput(logprobs, entropy, values)
+
+
+def critic_forward(critic: Critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
+    """Critic values aligned with the response tokens. (B, Tq + Tr) -> (B, Tr)."""
+    return response_slice(critic(input_ids, attention_mask).unsqueeze(-1), query_len).squeeze(-1)

@@ -1,0 +1,118 @@
+"""The PPO training loop over a prompt table, with periodic checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf_core.config import PPOConfig
+from rlhf_core.experience import PPOModels
+from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.sampler import PromptSampler
+from rlhf_core.stats import PPOStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PPORunResult:
+    """Per-step metrics of the whole run (including steps done before a resume)."""
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    resumed_from_step: int = 0
+
+
+def _modules(models: PPOModels, config: PPOConfig) -> dict[str, torch.nn.Module]:
+    modules: dict[str, torch.nn.Module] = {
+        "policy": models.policy,
+        "value": models.value_head if models.value_head is not None else models.critic,
+    }
+    if config.ref_refresh_every:
+        modules["reference"] = models.reference
+    return modules
+
+
+def train_ppo(
+    models: PPOModels,
+    prompts: Sequence[Sequence[int]],
+    config: PPOConfig,
+    n_updates: int,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    on_step: Callable[[PPOStats], None] | None = None,
+) -> PPORunResult:
+    """Run PPO until ``n_updates`` steps are done, resuming from ``checkpoint_dir/latest`` if present.
+
+    A run killed at any point and started again with the same arguments ends with the same weights and
+    metrics as an uninterrupted one (same seed, same device), because the optimizer, scheduler, KL
+    controller, score statistics, sampler cursor and every RNG are restored.
+    """
+    optimizer, scheduler = make_optimizer(models, config)
+    state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
+    sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
+    result = PPORunResult()
+    found = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if found is not None:
+        saved = load_checkpoint(found, _modules(models, config), optimizer, state.generator)
+        _restore(saved, state, sampler, scheduler, result)
+        log.info("resumed PPO from %s (step %d)", found, state.step)
+    started, first_step = time.monotonic(), state.step
+    while state.step < n_updates:
+        batch = [prompts[i] for i in sampler.next_batch()]
+        stats = ppo_step(models, optimizer, scheduler, state, batch, config)
+        result.history.append(stats.to_metrics())
+        if on_step is not None:
+            on_step(stats)
+        _log_progress(state.step, n_updates, first_step, started, stats)
+        if checkpoint_dir is not None and checkpoint_every and (state.step % checkpoint_every == 0 or state.step == n_updates):
+            save_checkpoint(
+                checkpoint_dir, state.step, _modules(models, config), optimizer, state.generator,
+                _snapshot(state, sampler, scheduler, result),
+            )
+    return result
+
+
+def _snapshot(
+    state: PPOState, sampler: PromptSampler, scheduler: torch.optim.lr_scheduler.LRScheduler, result: PPORunResult
+) -> dict[str, Any]:
+    return {
+        "kl_controller": state.kl_controller.state_dict(),
+        "score_moments": state.score_moments.state_dict(),
+        "sampler": sampler.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "history": result.history,
+    }
+
+
+def _restore(
+    saved: dict[str, Any],
+    state: PPOState,
+    sampler: PromptSampler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    result: PPORunResult,
+) -> None:
+    state.step = int(saved["step"])
+    state.kl_controller.load_state_dict(saved["kl_controller"])
+    state.score_moments.load_state_dict(saved["score_moments"])
+    sampler.load_state_dict(saved["sampler"])
+    scheduler.load_state_dict(saved["scheduler"])
+    result.history = list(saved["history"])
+    result.resumed_from_step = state.step
+
+
+def _log_progress(step: int, total: int, first_step: int, started: float, stats: PPOStats) -> None:
+    elapsed = time.monotonic() - started
+    rate = (step - first_step) / elapsed if elapsed > 0 else 0.0
+    eta = (total - step) / rate if rate > 0 else float("nan")
+    metrics = stats.to_metrics()
+    log.info(
+        "ppo step %d/%d  score %.3f  kl %.3f  beta %.4f  %.2f steps/s  eta %.0fs",
+        step, total, metrics["ppo/scores/mean"], metrics["ppo/kl/mean"], metrics["ppo/kl/coef"], rate, eta,
+    )

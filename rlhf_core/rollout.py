@@ -1,0 +1,162 @@
+"""Rollout generation: batched sampling with a KV cache from any causal LM, left-padded prompts.
+
+Layout of every batch in the PPO loop: ``[query (left-padded, Tq) | response (right-padded, Tr)]``.
+Logits at position ``t`` predict token ``t + 1``, so the response logits are ``logits[:, Tq - 1 : -1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import GenerationConfig
+from rlhf_core.masking import ended_with_stop, response_mask_from_stop
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled responses. B = batch, Tq = query length, Tr = response length."""
+
+    query_ids: torch.Tensor
+    """(B, Tq) long, left-padded prompts."""
+    query_mask: torch.Tensor
+    """(B, Tq) bool, True on real prompt tokens."""
+    response_ids: torch.Tensor
+    """(B, Tr) long, pad after the first stop token."""
+    response_mask: torch.Tensor
+    """(B, Tr) bool, True on real response tokens (stop token included)."""
+    logprobs: torch.Tensor
+    """(B, Tr) float, sampling log-probs under softmax(logits / T) (full vocab), 0 where masked."""
+    stopped: torch.Tensor
+    """(B,) bool, True when the response ended with a stop token."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(B, Tq + Tr) prompt and response ids."""
+        return torch.cat([self.query_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(B, Tq + Tr) long attention mask over prompt and response."""
+        return torch.cat([self.query_mask, self.response_mask], dim=1).long()
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """(B, Tq + Tr) positions counted from each row's first real token (left padding aware)."""
+        return positions_from_mask(self.attention_mask)
+
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        """Rows ``index`` of every field."""
+        return Rollout(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 on each row's first real token. (B, T) -> (B, T)."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``(ids (B, T), mask (B, T) bool)``."""
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("every prompt needs at least one token; got an empty prompt")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq) :] = True
+    return ids, mask
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus to -inf. (B, V) -> (B, V). Sampling only: log-probs
+    are always taken from the full softmax so the training-time recomputation matches them."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token once the mass before it already exceeds top_p (the top token always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) > top_p
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    config: GenerationConfig,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample responses for a batch of left-padded prompts with a KV cache.
+
+    query_ids, query_mask: (B, Tq). Stops early once every row has produced a stop token.
+    The model is put in eval mode (dropout off) for the duration and restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        tokens, logprobs = _sample_loop(model, query_ids, query_mask, config, stop_token_ids, pad_token_id, generator)
+    finally:
+        model.train(was_training)
+    response_ids, response_mask = response_mask_from_stop(tokens, stop_token_ids, pad_token_id)
+    return Rollout(
+        query_ids=query_ids,
+        query_mask=query_mask.bool(),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        logprobs=torch.where(response_mask, logprobs, torch.zeros_like(logprobs)),
+        stopped=ended_with_stop(response_ids, response_mask, stop_token_ids),
+    )
+
+
+def _sample_loop(
+    model: torch.nn.Module,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    config: GenerationConfig,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-by-token loop (vectorised over the batch). Returns ids and log-probs, (B, Tr) each."""
+    device = query_ids.device
+    attention = query_mask.long()
+    positions = positions_from_mask(attention)
+    out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    past, next_logits = out.past_key_values, out.logits[:, -1, :]
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    stops = torch.as_tensor(list(stop_token_ids), device=device, dtype=torch.long)
+    done = torch.zeros(query_ids.shape[0], dtype=torch.bool, device=device)
+    tokens, logprobs = [], []
+    for _ in range(config.max_new_tokens):
+        scaled = next_logits.float() / config.temperature  # (B, V)
+        probs = filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        token = torch.where(done, torch.full_like(token, pad_token_id), token)
+        logprobs.append(F.log_softmax(scaled, dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))
+        tokens.append(token)
+        done = done | torch.isin(token, stops)
+        if bool(done.all()):
+            break
+        # Finished rows keep feeding pad; their tail is masked out afterwards, so attending to it is harmless.
+        attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
+        out = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention,
+            position_ids=next_position,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past, next_logits = out.past_key_values, out.logits[:, -1, :]
+        next_position = next_position + 1
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)

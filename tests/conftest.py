@@ -1,0 +1,16 @@
+"""Session-wide test isolation: Prefect, MLflow and Hugging Face never touch the home directory or network."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_STATE = tempfile.mkdtemp(prefix="rlhf-tests-")
+os.environ.setdefault("PREFECT_HOME", os.path.join(_STATE, "prefect"))
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + os.path.join(_STATE, "mlflow.db"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HOME", os.path.join(_STATE, "hf"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
