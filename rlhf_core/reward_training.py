@@ -191,7 +191,7 @@ def _train_step(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     optimizer.step()
-    return {"rm/train/loss": float(loss), "rm/train/accuracy": float((chosen > rejected).float().mean())}
+    return {"rm/train/loss": float(loss.detach()), "rm/train/accuracy": float((chosen > rejected).float().mean())}
 
 
 def _record_eval(

@@ -1,0 +1,1 @@
+"""Flows and the command line: compose the stage tasks, nothing else."""

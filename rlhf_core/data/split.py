@@ -1,0 +1,58 @@
+"""Stable ids and the deterministic prompt-level split (hashlib, never Python's salted hash())."""
+
+from __future__ import annotations
+
+import hashlib
+from enum import Enum
+
+from rlhf_core.data.config import DataPrepConfig
+
+_SEPARATOR = "\x1f"  # ASCII unit separator: cannot occur in validated text, so ("a","bc") != ("ab","c")
+_ID_HEX_CHARS = 16
+
+
+class Split(str, Enum):
+    """Where a prompt (and every pair with that prompt) goes."""
+
+    TRAIN = "train"
+    HELDOUT = "heldout"
+    PPO = "ppo"
+
+
+def stable_id(*parts: str) -> str:
+    """16 hex characters of SHA-256 over the parts: the same on every machine, run and Python version."""
+    digest = hashlib.sha256(_SEPARATOR.join(parts).encode("utf-8")).hexdigest()
+    return digest[:_ID_HEX_CHARS]
+
+
+def pair_id(prompt: str, chosen: str, rejected: str) -> str:
+    """Stable id of a preference pair."""
+    return stable_id(prompt, chosen, rejected)
+
+
+def prompt_id(prompt: str) -> str:
+    """Stable id of a prompt."""
+    return stable_id(prompt)
+
+
+def prompt_position(prompt: str, salt: str) -> float:
+    """Uniform-looking position of the prompt in [0, 1), from SHA-256 of salt + prompt."""
+    digest = hashlib.sha256((salt + _SEPARATOR + prompt).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign_split(prompt: str, config: DataPrepConfig, ppo_from_pairs: bool = True) -> Split:
+    """The split of a prompt: [0, train) -> TRAIN, [train, train + heldout) -> HELDOUT, rest -> PPO.
+
+    With `ppo_from_pairs` False (a separate prompts file feeds PPO) the PPO share is redistributed to
+    train and held-out in proportion.
+    """
+    train, heldout = config.train_fraction, config.heldout_fraction
+    if not ppo_from_pairs:
+        train, heldout = train / (train + heldout), heldout / (train + heldout)
+    position = prompt_position(prompt, config.split_salt)
+    if position < train:
+        return Split.TRAIN
+    if position < train + heldout:
+        return Split.HELDOUT
+    return Split.PPO if ppo_from_pairs else Split.HELDOUT

@@ -1,0 +1,153 @@
+"""The data-prep stage end to end on tiny files: tables, quarantine, failures, the Prefect task and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.cli import main
+from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, QUARANTINE, DataError, DataPrepConfig
+from rlhf_core.data import QuarantineReason as R
+from tasks.data_prep import data_prep_task, retry_on_transient_io, run_data_prep
+from tasks.io import read_parquet
+
+ALL_REASONS_OK = DataPrepConfig(max_quarantine_fraction=1.0)
+
+
+def good(i: int, k: int = 0) -> dict[str, object]:
+    return {"prompt": f"User: question {i}?\nAssistant:", "chosen": f" helpful {k}", "rejected": f" rude {k}"}
+
+
+def write_jsonl(path: Path, lines: list[object]) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def malformed_sample(tmp_path: Path) -> str:
+    """12 good rows and 6 bad ones, one of each kind below."""
+    bad = [
+        {**good(100), "chosen": ""},                      # empty_text
+        {**good(101), "rejected": " helpful 0"},          # identical_pair
+        good(0),                                          # duplicate_pair
+        '{"prompt": "User: broken',                       # malformed_record
+        '{"prompt": "p", "chosen": NaN, "rejected": "r"}',  # nan_value
+        {**good(102), "margin": "very"},                  # bad_margin
+    ]
+    return write_jsonl(tmp_path / "sample.jsonl", [good(i) for i in range(12)] + bad)
+
+
+def test_stage_writes_canonical_tables_that_reconcile(tmp_path: Path) -> None:
+    rows = [good(i, k) for i in range(40) for k in range(2)] + [{**good(0), "chosen": " "}]
+    result = run_data_prep([write_jsonl(tmp_path / "in.jsonl", rows)], tmp_path / "out", ALL_REASONS_OK)
+    train = read_parquet(result.train_pairs, PREFERENCE_PAIRS)
+    heldout = read_parquet(result.heldout_pairs, PREFERENCE_PAIRS)
+    prompts = read_parquet(result.ppo_prompts, PPO_PROMPTS)
+    quarantine = read_parquet(result.quarantine, QUARANTINE)
+    counts = result.counts
+    assert (counts.rows_in, counts.rows_accepted, counts.rows_quarantined) == (81, 80, 1)
+    assert (len(train), len(heldout), len(prompts)) == (counts.train_pairs, counts.heldout_pairs, counts.ppo_prompts)
+    assert len(train) + len(heldout) + counts.ppo_split_pairs == 80 and len(train) > len(heldout)
+    assert [(q["source_row"], q["reason"]) for q in quarantine] == [(80, R.EMPTY_TEXT.value)]
+    splits = [{p["prompt"] for p in table} for table in (train, heldout, prompts)]
+    assert not (splits[0] & splits[1] or splits[0] & splits[2] or splits[1] & splits[2])
+    assert json.loads(Path(result.counts_json).read_text())["rows_in"] == 81
+    assert pq.read_schema(result.train_pairs).field("margin").type == "double"
+
+
+def test_stage_is_deterministic(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [good(i) for i in range(60)])
+    first = run_data_prep(source, tmp_path / "a")
+    second = run_data_prep(source, tmp_path / "b")
+    for name in ("train_pairs", "heldout_pairs", "ppo_prompts"):
+        a, b = getattr(first, name), getattr(second, name)
+        assert pq.read_table(a).equals(pq.read_table(b)), name
+
+
+def test_wrong_columns_and_unreadable_file_raise_data_error(tmp_path: Path) -> None:
+    wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataError, match=r"wrong\.jsonl: found columns \['question', 'answer'\]"):
+        run_data_prep([wrong], tmp_path / "out")
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"\x00garbage")
+    with pytest.raises(DataError, match=r"junk\.parquet: cannot be read"):
+        run_data_prep([str(junk)], tmp_path / "out")
+
+
+def test_too_many_quarantined_rows_fail_and_point_at_the_quarantine(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run_data_prep(write_jsonl(tmp_path / "ok.jsonl", [good(i) for i in range(20)]), out)
+    assert (out / "train_pairs.parquet").exists()
+    source = write_jsonl(tmp_path / "bad.jsonl", [good(0), good(1), {"prompt": "p", "chosen": 1, "rejected": "r"},
+                                                  "nope"])
+    with pytest.raises(DataError) as err:
+        run_data_prep(source, out, DataPrepConfig(max_quarantine_fraction=0.25))
+    message = str(err.value)
+    assert "0.500" in message and "0.250" in message and str(out / "quarantine.parquet") in message
+    assert [q["reason"] for q in read_parquet(out / "quarantine.parquet", QUARANTINE)] == [
+        R.NON_TEXT.value, R.MALFORMED_RECORD.value]
+    assert not (out / "train_pairs.parquet").exists()  # no stale tables from the earlier run
+
+
+def test_prompts_file_feeds_ppo_and_pairs_go_to_train_and_heldout(tmp_path: Path) -> None:
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [good(i) for i in range(50)])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": "User: new 1\nAssistant:"}, {"prompt": [{"role": "user", "content": "new 2"}]},
+        {"prompt": "User: new 1\nAssistant:"}, {"prompt": ""}])
+    result = run_data_prep([pairs], tmp_path / "out", DataPrepConfig(max_quarantine_fraction=0.1), prompts)
+    counts = result.counts
+    assert [p["prompt"] for p in read_parquet(result.ppo_prompts, PPO_PROMPTS)] == [
+        "User: new 1\nAssistant:", "User: new 2\nAssistant:"]
+    assert (counts.prompt_rows_in, counts.prompt_rows_accepted, counts.prompt_rows_quarantined) == (4, 2, 2)
+    assert counts.quarantined_by_reason == {R.DUPLICATE_PROMPT.value: 1, R.EMPTY_TEXT.value: 1}
+    assert counts.ppo_split_pairs == 0 and counts.train_pairs + counts.heldout_pairs == 50
+
+
+def test_prefect_task_runs_the_stage_and_retries_only_transient_io(tmp_path: Path, capsys) -> None:
+    from prefect.states import Failed
+
+    source = write_jsonl(tmp_path / "in.jsonl", [good(i) for i in range(10)])
+    result = data_prep_task.fn([source], str(tmp_path / "out"))
+    assert result.counts.rows_accepted == 10 and "rows in" in capsys.readouterr().out
+    assert data_prep_task.retries == 2 and data_prep_task.retry_condition_fn is retry_on_transient_io
+    decisions = {type(e).__name__: retry_on_transient_io(data_prep_task, None, Failed(data=e))
+                 for e in (TimeoutError("slow"), ConnectionError("reset"), DataError("bad"),
+                           FileNotFoundError("x"), ValueError("bug"))}
+    assert decisions == {"TimeoutError": True, "ConnectionError": True, "DataError": False,
+                         "FileNotFoundError": False, "ValueError": False}
+
+
+def table_value(stdout: str, label: str) -> str:
+    (line,) = [line for line in stdout.splitlines() if line.strip().startswith(label + "  ")]
+    return line.split()[-1]
+
+
+def test_cli_prep_prints_counts_for_malformed_sample(tmp_path: Path, capsys) -> None:
+    sample = malformed_sample(tmp_path)
+    code = main(["prep", sample, "--out", str(tmp_path / "out"), "--max-quarantine-fraction", "0.5",
+                 "--max-length", "500"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert (table_value(stdout, "rows in"), table_value(stdout, "accepted"), table_value(stdout, "quarantined")) == (
+        "18", "12", "6")
+    for reason in ("empty_text", "identical_pair", "duplicate_pair", "malformed_record", "nan_value", "bad_margin"):
+        assert table_value(stdout, reason) == "1"
+    splits = sum(int(table_value(stdout, label)) for label in ("train pairs", "held-out pairs", "ppo-split pairs"))
+    assert splits == 12
+    assert str(tmp_path / "out" / "quarantine.parquet") in stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [([], "quarantined fraction 0.333 exceeds max_quarantine_fraction 0.100"),
+     (["--max-quarantine-fraction", "3"], "invalid setting: data.max_quarantine_fraction"),
+     (["--format", "trl", "--prompts", "missing.csv"], "missing.csv: no such file")],
+)
+def test_cli_data_errors_exit_2_with_one_line(tmp_path: Path, capsys, extra: list[str], needle: str) -> None:
+    code = main(["prep", malformed_sample(tmp_path), "--out", str(tmp_path / "out"), *extra])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert needle in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("rlhf prep: error: ")
