@@ -1,0 +1,494 @@
+"""One typed configuration for the whole pipeline, loaded from a preset, a YAML file and dotted overrides.
+
+The stage settings reuse the frozen dataclasses of ``rlhf_core`` (``PPOConfig``, ``RewardTrainingConfig``,
+``SFTConfig``, ``DataPrepConfig``); this module adds the sections around them and a strict loader:
+
+    cfg = load_config("my.yaml", preset="tiny", overrides=["ppo.ppo.kl.coef=0.1", "data.demo.n_pairs=500"])
+
+Layers apply in that order (preset, then the file, then each override). Conversion is driven by the
+dataclasses' type hints: an unknown key or a value of the wrong type fails with a ``ConfigError`` that names
+the dotted key and the layer it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from rlhf_core.config import PPOConfig, RewardTrainingConfig
+from rlhf_core.data import DataPrepConfig
+from rlhf_core.demo import DEFAULT_TEMPERATURE
+from rlhf_core.lm import PRESETS as MODEL_SIZES
+from rlhf_core.sft import SFTConfig
+from rlhf_core.tokenizer import MIN_VOCAB_SIZE
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
+DEFAULT_SOURCE = "defaults"
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or invalid; the message names the dotted key, its source and the fix."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+        """The bare cause, without key and source (used to combine the failures of Union arms)."""
+
+
+@dataclass(frozen=True)
+class DemoSection:
+    """Sizes of the generated customer-support task (used when ``data.source`` is 'demo')."""
+
+    n_pairs: int = 4000
+    """Preference pairs generated (before validation and dedupe)."""
+    n_sft: int = 4000
+    """SFT demonstrations generated (before dedupe)."""
+    sft_eval_fraction: float = 0.1
+    """Share of demonstration prompts held out for the SFT evaluation loss."""
+    n_eval_prompts: int = 256
+    """Evaluation prompts with hidden metadata, disjoint from every training prompt."""
+    annotator_temperature: float = DEFAULT_TEMPERATURE
+    """Noise of the simulated annotator that labels the pairs (smaller = closer to gold)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_pairs", "n_sft", "n_eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.demo.{name} must be >= 1, got {getattr(self, name)}")
+        if self.annotator_temperature <= 0:
+            raise ValueError(f"data.demo.annotator_temperature must be > 0, got {self.annotator_temperature}")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where the preference data comes from and how it is validated and split."""
+
+    source: Literal["demo", "files"] = "demo"
+    """'demo': generate the embedded task; 'files': read ``files`` (Parquet / JSONL / CSV)."""
+    files: tuple[str, ...] = ()
+    """Preference files (local paths or URIs); only with source 'files'."""
+    prompts_file: str | None = None
+    """Optional separate PPO prompts file (column 'prompt'); None = PPO prompts are split off the pairs."""
+    demo: DemoSection = field(default_factory=DemoSection)
+    """Sizes of the generated task."""
+    prep: DataPrepConfig = field(default_factory=DataPrepConfig)
+    """Validation, dedupe and split settings of the data-prep stage."""
+
+    def __post_init__(self) -> None:
+        if self.source == "files" and not self.files:
+            raise ValueError("data.source is 'files' but data.files is empty; list the preference files")
+        if self.source == "demo" and (self.files or self.prompts_file):
+            raise ValueError("data.files / data.prompts_file are read only with data.source='files'; "
+                             "set data.source=files or drop them")
+
+
+@dataclass(frozen=True)
+class SFTSection:
+    """The policy PPO starts from: a given model, or one fine-tuned here."""
+
+    enabled: bool = True
+    """Run the sft stage; False = use ``base_model`` as the SFT policy as it is."""
+    base_model: str | None = None
+    """Hugging Face id or local path of the base policy; None = build a small GPT and a BPE tokenizer here."""
+    vocab_size: int = 2000
+    """Vocabulary of the BPE tokenizer trained on the task text (only when base_model is None)."""
+    model_size: Literal["tiny", "demo"] = "demo"
+    """Size preset of the GPT built here (``rlhf_core.lm.PRESETS``; only when base_model is None)."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning hyperparameters."""
+
+    def __post_init__(self) -> None:
+        if not self.enabled and self.base_model is None:
+            raise ValueError("sft.enabled=false needs sft.base_model (the SFT policy to start PPO from)")
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"sft.vocab_size must be >= {MIN_VOCAB_SIZE} (byte-level BPE), got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class RewardModelSection:
+    """The proxy reward model PPO optimises, and the held-out one that only evaluation sees."""
+
+    init: str = "sft"
+    """'sft': start from the SFT policy's weights; 'scratch': fresh model of the policy's shape; else a path/id."""
+    training: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
+    """Training of the proxy reward model (on the train pairs)."""
+    heldout: RewardTrainingConfig = field(default_factory=lambda: RewardTrainingConfig(seed=1))
+    """Training of the held-out reward model (on the held-out pairs; a different seed by default)."""
+
+    def __post_init__(self) -> None:
+        if not self.init.strip():
+            raise ValueError("reward_model.init must be 'sft', 'scratch' or a model path / id, got ''")
+
+
+@dataclass(frozen=True)
+class PPOSection:
+    """The outer loop: ``iterations`` x (ppo-iteration -> heldout-eval -> [rm-refresh])."""
+
+    iterations: int = 3
+    """Outer pipeline iterations N."""
+    updates_per_iteration: int = 20
+    """PPO updates (rollout batches) inside one ppo-iteration stage."""
+    checkpoint_every: int = 5
+    """Save a resumable checkpoint every this many updates inside the stage (0 = none, restart on failure)."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO hyperparameters (``ppo.total_updates`` drives only the linear LR schedule)."""
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "updates_per_iteration"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"ppo.checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every}")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """The heldout-eval stage and the promotion gate."""
+
+    n_prompts: int = 256
+    """Evaluation prompts scored per iteration."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation replies; 0 = greedy."""
+    batch_size: int = 64
+    """Prompts generated and scored at once."""
+    kl_budget: float = 10.0
+    """Largest mean per-sequence KL to the reference (nats) a promoted policy may have."""
+    hacking_margin: float = 0.0
+    """Flag reward hacking when the proxy score rises while the held-out score falls by more than this."""
+    min_win_rate: float = 0.5
+    """Promote a policy only when its held-out win rate against the reference reaches this."""
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1 or self.batch_size < 1:
+            raise ValueError(f"eval.n_prompts and eval.batch_size must be >= 1, "
+                             f"got {self.n_prompts}, {self.batch_size}")
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 <= self.min_win_rate <= 1.0:
+            raise ValueError(f"eval.min_win_rate must be in [0, 1], got {self.min_win_rate}")
+
+
+@dataclass(frozen=True)
+class RefreshSection:
+    """The rm-refresh stage: relabel on-policy pairs and retrain the proxy reward model."""
+
+    enabled: bool = True
+    """Run rm-refresh at all."""
+    every_k: int = 0
+    """Refresh on a schedule every k iterations (0 = only when eval flags reward hacking)."""
+    on_hacking: bool = True
+    """Refresh whenever heldout-eval flags reward hacking."""
+    annotator: Literal["simulated"] = "simulated"
+    """Who labels fresh pairs; 'simulated' is the demo task's annotator (needs data.source='demo')."""
+    annotator_temperature: float = DEFAULT_TEMPERATURE
+    """Noise of the simulated annotator."""
+    n_pairs: int = 512
+    """Fresh on-policy pairs labelled per refresh."""
+    keep_old_pairs: bool = True
+    """Retrain on the original training pairs plus the fresh ones (False = fresh ones only)."""
+
+    def __post_init__(self) -> None:
+        if self.every_k < 0 or self.n_pairs < 1:
+            raise ValueError(f"refresh.every_k must be >= 0 and refresh.n_pairs >= 1, "
+                             f"got {self.every_k}, {self.n_pairs}")
+        if self.annotator_temperature <= 0:
+            raise ValueError(f"refresh.annotator_temperature must be > 0, got {self.annotator_temperature}")
+
+
+@dataclass(frozen=True)
+class TrackingSection:
+    """MLflow experiment and registered-model names."""
+
+    experiment: str = "rlhf"
+    """MLflow experiment of the pipeline runs."""
+    policy_model: str = "rlhf-policy"
+    """Registered model name of policy checkpoints."""
+    reward_model: str = "rlhf-reward-model"
+    """Registered model name of the proxy reward model."""
+    heldout_reward_model: str = "rlhf-heldout-reward-model"
+    """Registered model name of the held-out reward model."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = SQLite in the state dir. The MLFLOW_TRACKING_URI env variable wins."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Every setting of one pipeline run."""
+
+    name: str = "rlhf"
+    """Run name (MLflow run name and the label in ``rlhf runs``)."""
+    seed: int = 0
+    """Seed of the generated data and the model initialisation."""
+    state_dir: str = ".rlhf_state"
+    """Folder for runs, caches, the MLflow store and Prefect's home (relative = to the working directory)."""
+    device: str = "auto"
+    """Torch device for training: 'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'..."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype of the loaded models (bfloat16 for large models on GPUs)."""
+    data: DataSection = field(default_factory=DataSection)
+    """Data source and preparation."""
+    sft: SFTSection = field(default_factory=SFTSection)
+    """Base policy and supervised fine-tuning."""
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    """Proxy and held-out reward models."""
+    ppo: PPOSection = field(default_factory=PPOSection)
+    """PPO outer loop and hyperparameters."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Held-out evaluation and promotion."""
+    refresh: RefreshSection = field(default_factory=RefreshSection)
+    """Reward-model refresh."""
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    """MLflow names."""
+
+    def __post_init__(self) -> None:
+        if self.refresh.enabled and self.data.source != "demo":
+            raise ValueError("refresh.enabled needs an annotator; the simulated one exists only for "
+                             "data.source='demo'. Set refresh.enabled=false")
+        if self.sft.base_model is None:
+            positions = MODEL_SIZES[self.sft.model_size].n_positions
+            lengths = {"sft.sft.max_length": self.sft.sft.max_length,
+                       "reward_model.training.max_length": self.reward_model.training.max_length,
+                       "reward_model.heldout.max_length": self.reward_model.heldout.max_length}
+            too_long = {k: v for k, v in lengths.items() if v > positions}
+            if too_long:
+                raise ValueError(f"{too_long} exceed the {positions} positions of model_size "
+                                 f"'{self.sft.model_size}'; lower them or pick a larger model_size")
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def available_presets() -> list[str]:
+    """Names of the preset files in ``infra/presets``."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_config(path: str | Path | None = None, preset: str | None = None,
+                overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Preset YAML, then the user's YAML, then ``key.sub=value`` overrides, converted strictly.
+
+    Without a preset the dataclass defaults are the base. Raises ConfigError naming the bad key and its source.
+    """
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    if preset is not None:
+        if preset not in available_presets():
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {available_presets()}")
+        preset_path = PRESETS_DIR / f"{preset}.yaml"
+        _merge(merged, _read_yaml(preset_path), f"preset '{preset}' ({preset_path})", origins)
+    if path is not None:
+        _merge(merged, _read_yaml(Path(path)), str(path), origins)
+    for item in overrides:
+        _merge(merged, _parse_override(item), f"override '{item}'", origins)
+    return _build(PipelineConfig, merged, "", origins)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings at the top level, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"override {item!r} must look like 'section.key=value' (e.g. ppo.ppo.kl.coef=0.1)")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. 'a: b: c'): the plain text is the only sensible reading
+    for part in reversed(parts):
+        value = {part: value}
+    return value
+
+
+def _merge(base: dict[str, Any], layer: Mapping[Any, Any], source: str, origins: dict[str, str],
+           prefix: str = "") -> None:
+    """Deep-merge ``layer`` into ``base`` (mappings merge, everything else replaces); record each key's source."""
+    for key, value in layer.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {key!r} under '{prefix.rstrip('.') or '<top>'}' must be a string")
+        dotted = prefix + key
+        origins[dotted] = source
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value, source, origins, dotted + ".")
+        elif isinstance(value, Mapping):
+            base[key] = {}
+            _merge(base[key], value, source, origins, dotted + ".")
+        else:
+            base[key] = value
+
+
+def _source(key: str, origins: Mapping[str, str]) -> str:
+    while key:
+        if key in origins:
+            return origins[key]
+        key = key.rpartition(".")[0]
+    return DEFAULT_SOURCE
+
+
+def _bad(key: str, value: Any, origins: Mapping[str, str], why: str) -> ConfigError:
+    return ConfigError(f"bad value {value!r} for '{key}' (from {_source(key, origins)}): {why}", why)
+
+
+def _build(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
+    """Convert a YAML value to type ``tp`` (dataclass, Optional/Union, Literal, Enum, list/tuple, scalar)."""
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, {} if value is None else value, key, origins)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise _bad(key, value, origins, f"choose one of {', '.join(map(repr, args))}")
+    if origin in (Union, types.UnionType):
+        return _build_union(args, value, key, origins)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _bad(key, value, origins, "expected a list")
+        item_type = args[0] if args else Any
+        items = [_build(item_type, v, f"{key}[{i}]", origins) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        choices = [m.value for m in tp]
+        if isinstance(value, tp) or value in choices:
+            return tp(value)
+        raise _bad(key, value, origins, f"choose one of {', '.join(map(repr, choices))}")
+    return _build_scalar(tp, value, key, origins)
+
+
+def _build_union(args: tuple[Any, ...], value: Any, key: str, origins: Mapping[str, str]) -> Any:
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _bad(key, value, origins, "a value is required here (None is not allowed)")
+    errors = []
+    for arm in (a for a in args if a is not type(None)):
+        try:
+            return _build(arm, value, key, origins)
+        except ConfigError as err:
+            errors.append(err.reason)
+    raise _bad(key, value, origins, " / ".join(errors) + (" (or null)" if type(None) in args else ""))
+
+
+def _build_scalar(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(key, value, origins, "expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _bad(key, value, origins, "expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # PyYAML reads '1e-6' (no dot) as a string; accept it here rather than surprise the user.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _bad(key, value, origins, "expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _bad(key, value, origins, "expected a string (quote it in YAML)")
+    raise TypeError(f"tasks.config cannot convert settings of type {tp!r} (at '{key}')")
+
+
+def _build_dataclass(cls: type, value: Any, key: str, origins: Mapping[str, str]) -> Any:
+    where = key or "<top level>"
+    if not isinstance(value, Mapping):
+        raise _bad(key, value, origins, f"expected a mapping of {cls.__name__} settings")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    prefix = f"{key}." if key else ""
+    for name in value:
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown setting '{prefix}{name}' (from {_source(prefix + str(name), origins)}); "
+                              f"{hint}valid keys under '{where}': {', '.join(names)}")
+    kwargs = {name: _build(hints[name], value[name], prefix + name, origins) for name in names if name in value}
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise ConfigError(f"invalid settings under '{where}': {err}{_given(kwargs, prefix, origins)}") from err
+
+
+def _given(kwargs: Mapping[str, Any], prefix: str, origins: Mapping[str, str]) -> str:
+    """'; values: a=1, b=2 from <source>; c=3 from <source>' for the scalar settings given in a section."""
+    by_source: dict[str, list[str]] = {}
+    for name, value in kwargs.items():
+        if prefix and not dataclasses.is_dataclass(value):
+            by_source.setdefault(_source(prefix + name, origins), []).append(f"{prefix}{name}={_plain(value)!r}")
+    parts = [f"{', '.join(items)} from {source}" for source, items in by_source.items()]
+    return f"; values: {'; '.join(parts)}" if parts else ""
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain YAML/JSON-able data of a config (or any section): dicts, lists, enum values."""
+    return _plain(cfg)
+
+
+def dump_config(cfg: PipelineConfig, path: str | Path) -> str:
+    """Write the full config as YAML; ``load_config(path)`` gives back an equal config. Returns the path."""
+    from tasks.io import atomic_write  # deferred: tasks.io pulls in pyarrow, which loading a config never needs
+
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def flatten_for_params(cfg: Any) -> dict[str, str]:
+    """Dotted keys to string values (``{'ppo.ppo.kl.coef': '0.05', ...}``), for MLflow params."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else k)
+        else:
+            flat[prefix] = json.dumps(node) if isinstance(node, list) else str(node)
+
+    walk(config_to_dict(cfg), "")
+    return flat
+
+
+def section_hash(cfg_section: Any) -> str:
+    """Stable sha256 hex of a section's canonical JSON: equal settings give equal keys across processes."""
+    canonical = json.dumps(config_to_dict(cfg_section), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
