@@ -40,9 +40,10 @@ class ModelSize:
 
 #: Named sizes. Counts below are for a 400-token vocabulary (tiny) and a 2,000-token one (demo).
 PRESETS: dict[str, ModelSize] = {
-    # ~80k params: 2 blocks of width 48 (55k) + 19k token and 3k position embeddings. Big enough to learn
+    # ~83k params: 2 blocks of width 48 (55k) + 19k token and 6k position embeddings (128 positions: a demo
+    # prompt of ~50 tokens plus a reply must fit). Big enough to learn
     # a templated task in a few hundred CPU steps, small enough for unit tests that take seconds.
-    "tiny": ModelSize(n_layer=2, n_embd=48, n_head=4, n_positions=64),
+    "tiny": ModelSize(n_layer=2, n_embd=48, n_head=4, n_positions=128),
     # ~1.1M params: 4 blocks of width 128 (0.79M) + 0.26M token embeddings. Fits the customer-support
     # demo (replies of a few dozen tokens, 256 positions for prompt + reply) and trains on a laptop CPU.
     "demo": ModelSize(n_layer=4, n_embd=128, n_head=4, n_positions=256),

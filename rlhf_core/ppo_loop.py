@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,18 +48,26 @@ def train_ppo(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
     on_step: Callable[[PPOStats], None] | None = None,
+    init_from: str | os.PathLike[str] | None = None,
 ) -> PPORunResult:
     """Run PPO until ``n_updates`` steps are done, resuming from ``checkpoint_dir/latest`` if present.
 
+    ``init_from`` is a checkpoint directory to start from when ``checkpoint_dir`` has none yet: how a
+    pipeline iteration continues the previous iteration's run (weights, optimizer, KL controller, cursor)
+    while keeping its own checkpoints apart, so rerunning one iteration never sees a later one's state.
+
     A run killed at any point and started again with the same arguments ends with the same weights and
     metrics as an uninterrupted one (same seed, same device), because the optimizer, scheduler, KL
-    controller, score statistics, sampler cursor and every RNG are restored.
+    controller, score statistics, sampler cursor and every RNG are restored. With a ``checkpoint_dir``
+    the last step is always checkpointed, whatever ``checkpoint_every`` says.
     """
     optimizer, scheduler = make_optimizer(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
     sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
     result = PPORunResult()
     found = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if found is None and init_from is not None:
+        found = Path(init_from)
     if found is not None:
         saved = load_checkpoint(found, _modules(models, config), optimizer, state.generator)
         _restore(saved, state, sampler, scheduler, result)
@@ -71,7 +80,8 @@ def train_ppo(
         if on_step is not None:
             on_step(stats)
         _log_progress(state.step, n_updates, first_step, started, stats)
-        if checkpoint_dir is not None and checkpoint_every and (state.step % checkpoint_every == 0 or state.step == n_updates):
+        periodic = checkpoint_every > 0 and state.step % checkpoint_every == 0
+        if checkpoint_dir is not None and (periodic or state.step == n_updates):
             save_checkpoint(
                 checkpoint_dir, state.step, _modules(models, config), optimizer, state.generator,
                 _snapshot(state, sampler, scheduler, result),

@@ -157,8 +157,9 @@ class EvalSection:
 
     n_prompts: int = 256
     """Evaluation prompts scored per iteration."""
-    temperature: float = 0.0
-    """Sampling temperature of evaluation replies; 0 = greedy."""
+    temperature: float = 1.0
+    """Sampling temperature of evaluation replies; 0 = greedy. Keep it at the PPO sampling temperature: the
+    reported KL is a sample estimate that is only meaningful on replies sampled from the policy itself."""
     batch_size: int = 64
     """Prompts generated and scored at once."""
     kl_budget: float = 10.0

@@ -12,9 +12,10 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -203,3 +204,19 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> str:
         Path(tmp).unlink(missing_ok=True)
         raise
     return str(target)
+
+
+def read_frame(path: str | Path, columns: Sequence[str] = ()) -> pd.DataFrame:
+    """A Parquet table as a DataFrame; names the file and the missing columns when ``columns`` are absent."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"table {path} does not exist; run the stage that writes it first")
+    frame = pd.read_parquet(path)
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"table {path} lacks column(s) {missing}; it has {list(frame.columns)}")
+    return frame
+
+
+def write_frame(frame: pd.DataFrame, path: str | Path) -> str:
+    """Write a DataFrame as Parquet atomically (temp file, then rename)."""
+    return atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))

@@ -126,7 +126,7 @@ def test_dataclass_validation_errors_name_section_and_values() -> None:
 def test_cross_section_checks() -> None:
     assert "refresh.enabled" in error_of(path=None, preset="tiny",
                                          overrides=["data.source=files", "data.files=[a.csv]"])
-    assert "positions" in error_of(path=None, preset="tiny", overrides=["sft.sft.max_length=65"])
+    assert "positions" in error_of(path=None, preset="tiny", overrides=["sft.sft.max_length=129"])
     assert "data.files is empty" in error_of(path=None, preset="tiny", overrides=["data.source=files"])
 
 

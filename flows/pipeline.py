@@ -1,0 +1,122 @@
+"""The RLHF pipeline flow: data-prep -> [sft] -> reward-model -> (ppo-iteration -> heldout-eval) x N.
+
+Every stage is a Prefect task with a cache key (config sections + input digests + code version) whose result
+is persisted in the state directory: rerunning a finished run skips every stage, ``rlhf resume`` continues a
+killed run from the first unfinished stage (and a PPO iteration from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+from flows.summary import build_summary, write_summary
+from tasks.caching import cache_key_fn
+from tasks.config import PipelineConfig, flatten_for_params, load_config
+from tasks.evaluate import heldout_eval_task
+from tasks.ppo import ppo_iteration_task
+from tasks.reward_model import reward_model_task
+from tasks.stages import data_stage_task, sft_stage_task
+from tasks.state import RunRecord, StateDir
+from tasks.tracking import configure_tracking, log_file, pipeline_run
+
+#: Which config sections each stage reads (its cache key covers these, the seed, device and dtype).
+STAGE_SECTIONS = {
+    "data-prep": ("data",),
+    "sft": ("data", "sft", "tracking"),
+    "reward-model": ("sft", "reward_model", "tracking"),
+    "ppo-iteration": ("ppo", "tracking"),
+    "heldout-eval": ("data", "ppo", "eval", "tracking"),
+}
+STAGES = tuple(STAGE_SECTIONS)
+
+
+def _cached(task: Any, stage: str, refresh: bool) -> Any:
+    """The task with this pipeline's cache key; ``refresh`` forces a rerun and overwrites the cache."""
+    return task.with_options(cache_key_fn=cache_key_fn(stage, STAGE_SECTIONS[stage]), persist_result=True,
+                             refresh_cache=refresh)
+
+
+class StageRunner:
+    """Runs one stage task, records its status in the run record, and reports whether it was cached."""
+
+    def __init__(self, state: StateDir, record: RunRecord, refresh: tuple[str, ...]) -> None:
+        self.state, self.record, self.refresh = state, record, refresh
+
+    def __call__(self, stage: str, label: str, task: Any, **kwargs: Any) -> Any:
+        self.record.set_stage(label, "running")
+        self.state.save_run(self.record)
+        future_state = _cached(task, stage, stage in self.refresh or label in self.refresh)(
+            **kwargs, return_state=True)
+        try:
+            result = future_state.result()
+        except BaseException as error:
+            self.record.set_stage(label, "failed", error=f"{type(error).__name__}: {error}")
+            self.state.save_run(self.record)
+            raise
+        cached = future_state.name == "Cached"
+        self.record.set_stage(label, "completed", result={"cached": cached})
+        self.state.save_run(self.record)
+        return result
+
+
+@flow(name="rlhf-pipeline", log_prints=True)
+def rlhf_pipeline(config_path: str, run_id: str, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run (or resume) pipeline run ``run_id`` with the config recorded at ``config_path``."""
+    config = load_config(config_path)
+    state = StateDir(config.state_dir).ensure()
+    record = state.load_run(run_id)
+    run_dir = state.run_dir(run_id)
+    configure_tracking(state, config.tracking.tracking_uri)
+    started = time.monotonic()
+    with pipeline_run(config.tracking.experiment, f"{config.name}-{run_id}", flatten_for_params(config),
+                      {"rlhf.run_id": run_id}, run_id=record.mlflow_run_id) as parent:
+        record.mlflow_run_id, record.status = parent.info.run_id, "running"
+        state.save_run(record)
+        log_file(config_path, "config")
+        runner = StageRunner(state, record, refresh)
+        summary = _stages(config, runner, run_dir, parent.info.run_id)
+        summary.update(run_id=run_id, seconds=time.monotonic() - started, mlflow_run_id=parent.info.run_id)
+        record.summary_path = write_summary(summary, run_dir / "summary.json")
+        log_file(record.summary_path, "summary")
+    record.status = "completed"
+    state.save_run(record)
+    return summary
+
+
+def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, parent: str) -> dict[str, Any]:
+    data = run("data-prep", "data-prep", data_stage_task, config=config, out_dir=str(run_dir / "data"),
+               parent_run_id=parent)
+    sft = run("sft", "sft", sft_stage_task, config=config, data=data, out_dir=str(run_dir / "sft"),
+              parent_run_id=parent)
+    rm = run("reward-model", "reward-model", reward_model_task, config=config, train_pairs=data.train_pairs,
+             heldout_pairs=data.heldout_pairs, sft_model=sft.model_uri, out_dir=str(run_dir / "reward_model"),
+             parent_run_id=parent)
+    history: list[dict[str, float]] = []
+    checkpoint, evals = None, []
+    for k in range(1, config.ppo.iterations + 1):
+        ppo = run("ppo-iteration", f"ppo-iteration-{k}", ppo_iteration_task, config=config, iteration=k,
+                  reference_uri=sft.model_uri, reward_model_uri=rm.proxy_uri, ppo_prompts=data.ppo_prompts,
+                  out_dir=str(run_dir / "ppo"), parent_run_id=parent, init_checkpoint=checkpoint)
+        checkpoint = ppo.checkpoint
+        evaluation = run("heldout-eval", f"heldout-eval-{k}", heldout_eval_task, config=config,
+                         policy_uri=ppo.policy_uri, reference_uri=sft.model_uri, proxy_rm_uri=rm.proxy_uri,
+                         heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
+                         out_dir=str(run_dir / "eval" / f"iter_{k:03d}"), parent_run_id=parent, iteration=k,
+                         history=list(history), policy_version=ppo.policy_version)
+        history.append(dict(evaluation.metrics))
+        evals.append(evaluation)
+    return build_summary(config, data, sft, rm, evals)
+
+
+def run_pipeline(config_path: str, run_id: str, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run the flow with Prefect results persisted under the run's state directory (survives the process)."""
+    config = load_config(config_path)
+    storage = StateDir(config.state_dir).ensure().prefect / "results"
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(storage)}):
+        return rlhf_pipeline(config_path, run_id, refresh)

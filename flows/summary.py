@@ -1,0 +1,61 @@
+"""The run summary: SFT policy vs final policy on every scorer, as ``summary.json`` and a printed table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.io import write_json
+
+#: summary key -> (metric of the final policy, metric of the reference = SFT policy)
+SCORES = {
+    "proxy": ("eval/proxy/mean", "eval/reference/proxy/mean"),
+    "heldout": ("eval/heldout/mean", "eval/reference/heldout/mean"),
+    "gold": ("eval/gold/mean", "eval/reference/gold/mean"),
+    "kl": ("eval/kl/mean", None),
+    "length": ("eval/length/mean", "eval/reference/length/mean"),
+}
+
+
+def _policy_row(metrics: dict[str, float], which: int) -> dict[str, float | None]:
+    row: dict[str, float | None] = {}
+    for name, keys in SCORES.items():
+        key = keys[which]
+        row[name] = 0.0 if key is None else metrics.get(key)
+    return row
+
+
+def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any]) -> dict[str, Any]:
+    """``{"policies": {"sft": {...}, "final": {...}}, "status", "iterations", ...}`` from the last evaluation."""
+    last = evals[-1]
+    return {
+        "name": config.name,
+        "seed": config.seed,
+        "policies": {"sft": _policy_row(last.metrics, 1), "final": _policy_row(last.metrics, 0)},
+        "status": last.status,
+        "reasons": list(last.reasons),
+        "promoted": bool(last.promoted),
+        "iterations": [{"iteration": e.iteration, "status": e.status, **e.metrics} for e in evals],
+        "reward_model": dict(rm.metrics),
+        "sft": dict(sft.metrics),
+        "data": dict(data.metrics),
+        "models": {"sft": sft.model_uri, "proxy_rm": rm.proxy_uri, "heldout_rm": rm.heldout_uri},
+    }
+
+
+def write_summary(summary: dict[str, Any], path: Path) -> str:
+    """Write ``summary.json`` atomically."""
+    return write_json(summary, path)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The table the CLI prints: one row per policy, one column per scorer."""
+    columns = list(SCORES)
+    lines = [f"{'policy':<8}" + "".join(f"{c:>10}" for c in columns)]
+    for name, row in summary["policies"].items():
+        cells = "".join(f"{row[c]:>10.3f}" if row.get(c) is not None else f"{'-':>10}" for c in columns)
+        lines.append(f"{name:<8}{cells}")
+    lines.append(f"status: {summary['status']}" + (f" ({'; '.join(summary['reasons'])})" if summary["reasons"] else ""))
+    lines.append(f"run {summary.get('run_id', '?')} in {summary.get('seconds', 0.0):.0f}s; "
+                 f"final policy promoted to champion: {summary['promoted']}")
+    return "\n".join(lines)
