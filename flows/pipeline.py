@@ -17,7 +17,7 @@ from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
 from flows.summary import build_summary, write_summary
 from tasks.caching import cache_key_fn
-from tasks.config import PipelineConfig, flatten_for_params, load_config
+from tasks.config import PipelineConfig, dump_config, flatten_for_params, load_config
 from tasks.evaluate import heldout_eval_task
 from tasks.ppo import ppo_iteration_task
 from tasks.reward_model import reward_model_task
@@ -66,10 +66,18 @@ class StageRunner:
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config_path: str, run_id: str, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run (or resume) pipeline run ``run_id`` with the config recorded at ``config_path``."""
+def rlhf_pipeline(config_path: str, run_id: str | None = None, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run (or resume) pipeline run ``run_id`` with the config at ``config_path``.
+
+    Without ``run_id`` (a scheduled deployment) a new run is created and the resolved config recorded in it.
+    """
     config = load_config(config_path)
     state = StateDir(config.state_dir).ensure()
+    if run_id is None:
+        record = state.new_run(config.name)
+        config_path = record.config_path = dump_config(config, state.run_dir(record.run_id) / "config.yaml")
+        state.save_run(record)
+        run_id = record.run_id
     record = state.load_run(run_id)
     run_dir = state.run_dir(run_id)
     configure_tracking(state, config.tracking.tracking_uri)
