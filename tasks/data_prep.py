@@ -16,11 +16,9 @@ from prefect import task
 from rlhf_core.data import (PPO_PROMPTS, PREFERENCE_PAIRS, QUARANTINE, DataError, DataPrepConfig, DataPrepCounts,
                             check_outcome, format_counts, prepare_data)
 from tasks.io import read_source, write_json, write_parquet
+from tasks.retries import retry_on_transient_io
 
 if TYPE_CHECKING:
-    from prefect import Task
-    from prefect.client.schemas.objects import TaskRun
-    from prefect.states import State
     from transformers import PreTrainedTokenizerBase
 
 TRAIN_FILE = "train_pairs.parquet"
@@ -105,14 +103,6 @@ def _load_tokenizer(tokenizer: PreTrainedTokenizerBase | str | None) -> PreTrain
         raise DataError(
             f"tokenizer {tokenizer!r} cannot be loaded ({err}); give a local path or a cached model id"
         ) from err
-
-
-def retry_on_transient_io(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Prefect retry condition: retry OSErrors that may pass (network, busy storage), never DataError
-    or bugs, which fail the same way every time."""
-    error = state.result(raise_on_failure=False)
-    permanent = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-    return isinstance(error, OSError) and not isinstance(error, permanent)
 
 
 @task(name="data-prep", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_on_transient_io,

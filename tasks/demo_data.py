@@ -25,7 +25,8 @@ from rlhf_core.data.schema import CHOSEN, PROMPT, PROMPT_ID, REJECTED
 from rlhf_core.data.split import prompt_id, prompt_position
 from rlhf_core.demo import (DEFAULT_TEMPERATURE, PromptRecord, generate_preference_pairs, generate_prompts,
                             generate_sft_demonstrations)
-from tasks.data_prep import DataPrepResult, retry_on_transient_io, run_data_prep
+from tasks.data_prep import DataPrepResult, run_data_prep
+from tasks.retries import retry_on_transient_io
 from tasks.io import read_parquet, write_json, write_parquet
 
 RAW_DIR = "raw"

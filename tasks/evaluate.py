@@ -33,7 +33,7 @@ from rlhf_core.policy_eval import (ReplySet, comparison_metrics, evaluation_gene
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.text import encode_prompt, same_vocabulary
 from tasks.config import PipelineConfig
-from tasks.data_prep import retry_on_transient_io
+from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write, write_json, write_parquet
 from tasks.plots import PolicyPoint, length_distribution, overoptimisation_curve, save_figure, score_histograms
 from tasks.runtime import device_of, dtype_of, local_model

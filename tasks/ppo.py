@@ -27,7 +27,7 @@ from rlhf_core.scoring import RewardModelScorer, decode_rollout
 from rlhf_core.stats import PPOStats
 from rlhf_core.text import encode_prompt, pad_id
 from tasks.config import PipelineConfig, flatten_for_params
-from tasks.data_prep import retry_on_transient_io
+from tasks.retries import retry_on_transient_io
 from tasks.io import read_frame, write_frame, write_json
 from tasks.plots import save_figure, training_curves
 from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically

@@ -35,7 +35,7 @@ from rlhf_core.models import load_reward_model, sequence_scores
 from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs, train_reward_model
 from rlhf_core.text import pad_id, right_pad
 from tasks.config import PipelineConfig, flatten_for_params
-from tasks.data_prep import retry_on_transient_io
+from tasks.retries import retry_on_transient_io
 from tasks.io import read_parquet, write_json
 from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically

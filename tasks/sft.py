@@ -27,7 +27,7 @@ from rlhf_core.demo_eval import PolicyGoldReport, gold_report, record_from_row
 from rlhf_core.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
 from rlhf_core.sft import SFTConfig, SFTResult, eval_loss, train_sft
 from rlhf_core.tokenizer import train_bpe_tokenizer
-from tasks.data_prep import retry_on_transient_io
+from tasks.retries import retry_on_transient_io
 from tasks.demo_data import EVAL_PROMPTS, REPLY, SFT_DEMONSTRATIONS
 from tasks.io import atomic_write, read_parquet, write_json
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from prefect import task
 
 from tasks.config import PipelineConfig, flatten_for_params
-from tasks.data_prep import retry_on_transient_io, run_data_prep
+from tasks.data_prep import run_data_prep
+from tasks.retries import retry_on_transient_io
 from tasks.demo_data import DemoDataConfig, run_demo_data_prep
 from tasks.io import read_frame, write_frame
 from tasks.sft import SFTStageConfig, run_sft

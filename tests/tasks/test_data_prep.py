@@ -11,7 +11,8 @@ import pytest
 from flows.cli import main
 from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, QUARANTINE, DataError, DataPrepConfig
 from rlhf_core.data import QuarantineReason as R
-from tasks.data_prep import data_prep_task, retry_on_transient_io, run_data_prep
+from tasks.data_prep import data_prep_task, run_data_prep
+from tasks.retries import retry_on_transient_io
 from tasks.io import read_parquet
 
 ALL_REASONS_OK = DataPrepConfig(max_quarantine_fraction=1.0)

@@ -23,7 +23,7 @@ from rlhf_core.policy_eval import evaluation_generation, rollout_kl
 from rlhf_core.rollout import generate, left_pad
 from tasks import tracking
 from tasks.config import PipelineConfig, load_config
-from tasks.data_prep import retry_on_transient_io
+from tasks.retries import retry_on_transient_io
 from tasks.evaluate import (CHAMPION, EVAL_SAMPLES, HACKING_CODES, STATUS_TAG, EvalResult, heldout_eval_task,
                             run_heldout_eval)
 from tasks.state import StateDir
