@@ -53,7 +53,8 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
     resume.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state directory (default .rlhf_state)")
     resume.set_defaults(handler=_resume)
     stage = subparsers.add_parser("stage", help="rerun one stage of a past run with its recorded inputs")
-    stage.add_argument("name", choices=["data-prep", "sft", "reward-model", "ppo-iteration", "heldout-eval"])
+    stage.add_argument("name", choices=["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration",
+                                        "heldout-eval", "rm-refresh"])
     stage.add_argument("--run", required=True, metavar="RUN_ID", help="the run (or 'latest')")
     stage.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state directory (default .rlhf_state)")
     stage.set_defaults(handler=_rerun_stage)

@@ -1,4 +1,7 @@
-"""The RLHF pipeline flow: data-prep -> [sft] -> reward-model -> (ppo-iteration -> heldout-eval) x N.
+"""The RLHF pipeline flow: data-prep -> [sft] -> reward-model -> best-of-n -> (ppo-iteration -> heldout-eval) x N.
+
+best-of-n is the standard baseline: best-of-N sampling from the SFT policy under the proxy RM, scored by the
+held-out RM and gold at its analytic KL; it is drawn on every evaluation's over-optimisation plot.
 
 Every stage is a Prefect task with a cache key (config sections + input digests + code version) whose result
 is persisted in the state directory: rerunning a finished run skips every stage, ``rlhf resume`` continues a
@@ -16,11 +19,13 @@ from prefect import flow
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
 from flows.summary import build_summary, write_summary
+from tasks.baseline_eval import best_of_n_task
 from tasks.caching import cache_key_fn
 from tasks.config import PipelineConfig, dump_config, flatten_for_params, load_config
 from tasks.evaluate import heldout_eval_task
 from tasks.ppo import ppo_iteration_task
 from tasks.reward_model import reward_model_task
+from tasks.rm_refresh import rm_refresh_task
 from tasks.stages import data_stage_task, sft_stage_task
 from tasks.state import RunRecord, StateDir
 from tasks.tracking import configure_tracking, log_file, pipeline_run
@@ -30,8 +35,10 @@ STAGE_SECTIONS = {
     "data-prep": ("data",),
     "sft": ("data", "sft", "tracking"),
     "reward-model": ("sft", "reward_model", "tracking"),
+    "best-of-n": ("data", "ppo.ppo.generation", "eval", "reward_model"),
     "ppo-iteration": ("ppo", "tracking"),
-    "heldout-eval": ("data", "ppo", "eval", "tracking"),
+    "heldout-eval": ("data", "ppo", "eval", "reward_model", "tracking"),
+    "rm-refresh": ("data", "ppo", "reward_model", "refresh", "tracking"),
 }
 STAGES = tuple(STAGE_SECTIONS)
 
@@ -105,21 +112,43 @@ def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, pare
     rm = run("reward-model", "reward-model", reward_model_task, config=config, train_pairs=data.train_pairs,
              heldout_pairs=data.heldout_pairs, sft_model=sft.model_uri, out_dir=str(run_dir / "reward_model"),
              parent_run_id=parent)
+    baseline = run("best-of-n", "best-of-n", best_of_n_task, config=config, sft_uri=sft.model_uri,
+                   proxy_rm_uri=rm.proxy_uri, heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
+                   out_dir=str(run_dir / "best_of_n"), parent_run_id=parent)
     history: list[dict[str, float]] = []
-    checkpoint, evals = None, []
+    checkpoint, evals, refreshes, reward_model = None, [], [], rm.proxy_uri
     for k in range(1, config.ppo.iterations + 1):
         ppo = run("ppo-iteration", f"ppo-iteration-{k}", ppo_iteration_task, config=config, iteration=k,
-                  reference_uri=sft.model_uri, reward_model_uri=rm.proxy_uri, ppo_prompts=data.ppo_prompts,
+                  reference_uri=sft.model_uri, reward_model_uri=reward_model, ppo_prompts=data.ppo_prompts,
                   out_dir=str(run_dir / "ppo"), parent_run_id=parent, init_checkpoint=checkpoint)
         checkpoint = ppo.checkpoint
         evaluation = run("heldout-eval", f"heldout-eval-{k}", heldout_eval_task, config=config,
-                         policy_uri=ppo.policy_uri, reference_uri=sft.model_uri, proxy_rm_uri=rm.proxy_uri,
+                         policy_uri=ppo.policy_uri, reference_uri=sft.model_uri, proxy_rm_uri=reward_model,
                          heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
                          out_dir=str(run_dir / "eval" / f"iter_{k:03d}"), parent_run_id=parent, iteration=k,
-                         history=list(history), policy_version=ppo.policy_version)
+                         history=list(history), policy_version=ppo.policy_version,
+                         best_of_n=list(baseline.points))
         history.append(dict(evaluation.metrics))
         evals.append(evaluation)
-    return build_summary(config, data, sft, rm, evals)
+        if k < config.ppo.iterations and should_refresh(config, k, evaluation.status):
+            refreshed = run("rm-refresh", f"rm-refresh-{k}", rm_refresh_task, config=config, iteration=k,
+                            policy_uri=ppo.policy_uri, proxy_rm_uri=reward_model, heldout_rm_uri=rm.heldout_uri,
+                            train_pairs=data.train_pairs, heldout_pairs=data.heldout_pairs,
+                            ppo_prompts=data.ppo_prompts, out_dir=str(run_dir / "rm_refresh"), parent_run_id=parent)
+            refreshes.append(refreshed)
+            if refreshed.reward_model_uri != reward_model:
+                # Proxy scores of different reward models are not comparable: the hacking window restarts.
+                history, reward_model = [], refreshed.reward_model_uri
+    return build_summary(config, data, sft, rm, evals, baseline.points, refreshes)
+
+
+def should_refresh(config: PipelineConfig, iteration: int, status: str) -> bool:
+    """Refresh the proxy RM every ``refresh.every_k`` iterations, or when evaluation flags hacking."""
+    section = config.refresh
+    if not section.enabled:
+        return False
+    scheduled = section.every_k > 0 and iteration % section.every_k == 0
+    return scheduled or (section.on_hacking and status == "hacking")
 
 
 def run_pipeline(config_path: str, run_id: str, refresh: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -25,7 +25,8 @@ def _policy_row(metrics: dict[str, float], which: int) -> dict[str, float | None
     return row
 
 
-def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any]) -> dict[str, Any]:
+def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any],
+                  best_of_n: Any = (), refreshes: Any = ()) -> dict[str, Any]:
     """``{"policies": {"sft": {...}, "final": {...}}, "status", "iterations", ...}`` from the last evaluation."""
     last = evals[-1]
     return {
@@ -36,6 +37,8 @@ def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any]) -
         "reasons": list(last.reasons),
         "promoted": bool(last.promoted),
         "iterations": [{"iteration": e.iteration, "status": e.status, **e.metrics} for e in evals],
+        "best_of_n": [dict(point) for point in best_of_n],
+        "refreshes": [{"reward_model_uri": r.reward_model_uri, "promoted": r.promoted, **r.metrics} for r in refreshes],
         "reward_model": dict(rm.metrics),
         "sft": dict(sft.metrics),
         "data": dict(data.metrics),

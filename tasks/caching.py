@@ -88,9 +88,16 @@ def stage_key(stage: str, sections: Mapping[str, Any], inputs: Mapping[str, Any]
 
 
 def config_sections(config: PipelineConfig, names: Iterable[str]) -> dict[str, Any]:
-    """Selected top-level config sections (plus the seed, which every stage uses)."""
+    """Selected config sections (dotted paths such as ``ppo.ppo.generation`` reach inside one), plus the seed,
+    device and dtype, which every stage uses."""
     full = config_to_dict(config)
-    return {"seed": full["seed"], "device": full["device"], "dtype": full["dtype"]} | {n: full[n] for n in names}
+    selected = {"seed": full["seed"], "device": full["device"], "dtype": full["dtype"]}
+    for name in names:
+        value: Any = full
+        for part in name.split("."):
+            value = value[part]
+        selected[name] = value
+    return selected
 
 
 def cache_key_fn(stage: str, sections: Iterable[str]) -> Callable[[Any, dict[str, Any]], str]:

@@ -181,7 +181,7 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class RefreshSection:
-    """The rm-refresh stage: relabel on-policy pairs and retrain the proxy reward model."""
+    """The rm-refresh stage: label fresh on-policy reply pairs and continue training the proxy reward model."""
 
     enabled: bool = True
     """Run rm-refresh at all."""
@@ -189,21 +189,57 @@ class RefreshSection:
     """Refresh on a schedule every k iterations (0 = only when eval flags reward hacking)."""
     on_hacking: bool = True
     """Refresh whenever heldout-eval flags reward hacking."""
-    annotator: Literal["simulated"] = "simulated"
-    """Who labels fresh pairs; 'simulated' is the demo task's annotator (needs data.source='demo')."""
+    annotator: Literal["simulated", "file", "rm_judge"] = "simulated"
+    """Who labels fresh pairs: 'simulated' is the demo task's annotator, the human stand-in (needs
+    data.source='demo'); 'file' exports the pairs for people to label and imports ``labels_file``;
+    'rm_judge' lets the reward model ``judge_model`` prefer the higher-scoring reply."""
     annotator_temperature: float = DEFAULT_TEMPERATURE
     """Noise of the simulated annotator."""
+    judge_model: str | None = None
+    """rm_judge only: local path or ``models:/`` URI of the judging reward model. None = the held-out RM, which
+    then stops being independent of the proxy: give a separate judge when the held-out eval must stay clean."""
+    labels_file: str | None = None
+    """file only: the labelled copy of the exported pairs (CSV or Parquet); '{iteration}' in it becomes the
+    iteration number. None = export the unlabelled pairs and stop with instructions (see tasks/labelling.py)."""
+    export_format: Literal["csv", "parquet"] = "csv"
+    """file only: format of the exported unlabelled pairs (CSV opens in any spreadsheet)."""
     n_pairs: int = 512
-    """Fresh on-policy pairs labelled per refresh."""
+    """Prompts sampled per refresh; the policy writes two replies to each, and each pair is labelled once."""
+    on_policy_eval_fraction: float = 0.25
+    """Share of the fresh pairs' prompts held out to measure the RM on on-policy replies (never trained on)."""
     keep_old_pairs: bool = True
-    """Retrain on the original training pairs plus the fresh ones (False = fresh ones only)."""
+    """Replay original training pairs next to the fresh ones (False = fresh ones only)."""
+    old_pairs_ratio: float = 1.0
+    """With keep_old_pairs: old pairs replayed per fresh training pair (a seeded sample, at most all of them)."""
+    epochs: int = 2
+    """Passes over the refresh training pairs; training continues from the current proxy's weights."""
+    learning_rate: float | None = None
+    """AdamW learning rate of the continued training; None = reward_model.training.learning_rate. The other
+    hyperparameters (batch size, max_length, margin, centring) are reward_model.training's."""
+    promotion_tolerance: float = 0.0
+    """Move the 'champion' alias to the refreshed RM only when its held-out accuracy is at least the old
+    RM's minus this (0 = must not drop at all)."""
 
     def __post_init__(self) -> None:
-        if self.every_k < 0 or self.n_pairs < 1:
-            raise ValueError(f"refresh.every_k must be >= 0 and refresh.n_pairs >= 1, "
+        if self.every_k < 0 or self.n_pairs < 2:
+            raise ValueError(f"refresh.every_k must be >= 0 and refresh.n_pairs >= 2 (a train and an eval prompt), "
                              f"got {self.every_k}, {self.n_pairs}")
         if self.annotator_temperature <= 0:
             raise ValueError(f"refresh.annotator_temperature must be > 0, got {self.annotator_temperature}")
+        if not 0.0 < self.on_policy_eval_fraction < 1.0:
+            raise ValueError(f"refresh.on_policy_eval_fraction must be in (0, 1), got {self.on_policy_eval_fraction}")
+        if self.old_pairs_ratio < 0 or self.epochs < 1 or self.promotion_tolerance < 0:
+            raise ValueError(f"refresh.old_pairs_ratio and refresh.promotion_tolerance must be >= 0 and "
+                             f"refresh.epochs >= 1, got {self.old_pairs_ratio}, {self.promotion_tolerance}, "
+                             f"{self.epochs}")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            raise ValueError(f"refresh.learning_rate must be > 0 or null, got {self.learning_rate}")
+        if self.judge_model is not None and self.annotator != "rm_judge":
+            raise ValueError("refresh.judge_model is read only with refresh.annotator='rm_judge'; "
+                             "set the annotator or drop judge_model")
+        if self.labels_file is not None and self.annotator != "file":
+            raise ValueError("refresh.labels_file is read only with refresh.annotator='file'; "
+                             "set the annotator or drop labels_file")
 
 
 @dataclass(frozen=True)
@@ -252,9 +288,10 @@ class PipelineConfig:
     """MLflow names."""
 
     def __post_init__(self) -> None:
-        if self.refresh.enabled and self.data.source != "demo":
-            raise ValueError("refresh.enabled needs an annotator; the simulated one exists only for "
-                             "data.source='demo'. Set refresh.enabled=false")
+        if self.refresh.enabled and self.refresh.annotator == "simulated" and self.data.source != "demo":
+            raise ValueError("refresh.enabled with refresh.annotator='simulated' needs data.source='demo' (the "
+                             "simulated annotator knows only the demo task). Set refresh.annotator to 'file' or "
+                             "'rm_judge', or refresh.enabled=false")
         if self.sft.base_model is None:
             positions = MODEL_SIZES[self.sft.model_size].n_positions
             lengths = {"sft.sft.max_length": self.sft.sft.max_length,

@@ -103,14 +103,18 @@ def run_heldout_eval(
     iteration: int,
     history: list[dict[str, float]] | None = None,
     policy_version: int | None = None,
+    best_of_n: list[dict] | None = None,
 ) -> EvalResult:
     """Evaluate ``policy_uri`` against ``reference_uri`` on ``eval_prompts`` and gate its promotion.
 
     ``history`` holds the ``EvalResult.metrics`` of the earlier iterations of this run, oldest first (without
     a baseline: the stage prepends one computed from the reference's own replies, KL 0). URIs are local
     folders or ``models:/name/version`` / ``models:/name@alias``. ``policy_version`` names the registered
-    version to promote; without it the version is read from ``policy_uri``.
+    version to promote; without it the version is read from ``policy_uri``. ``best_of_n`` (the
+    ``BestOfNResult.points`` of the best-of-n stage: dicts with ``kl``, ``proxy``, ``heldout``, ``gold``) is drawn
+    on the over-optimisation plot as the baseline.
     """
+    best_of_n_plot = best_of_n_series(best_of_n)
     prompts = read_eval_prompts(eval_prompts, config.eval.n_prompts)
     out = Path(out_dir)
     params = {"iteration": iteration, "policy_uri": policy_uri, "reference_uri": reference_uri,
@@ -126,7 +130,7 @@ def run_heldout_eval(
         metrics["eval/promoted"] = float(refusal is None)
         samples = write_samples(prompts, policy, reference, out / SAMPLES_FILE)
         _log_run(run.info.run_id, metrics, verdict.status, reasons, iteration, out, samples)
-        _log_plots(run.info.run_id, policy, reference, metrics, history or [], iteration, out)
+        _log_plots(run.info.run_id, policy, reference, metrics, history or [], iteration, out, best_of_n_plot)
         if refusal is None:
             set_alias(config.tracking.policy_model, CHAMPION, version)
             log.info("promoted %s version %d to @%s", config.tracking.policy_model, version, CHAMPION)
@@ -297,9 +301,27 @@ def _log_run(run_id: str, metrics: dict[str, float], status: str, reasons: Seque
         log_file(path, "eval", run_id=run_id)
 
 
+def best_of_n_series(best_of_n: Sequence[Mapping[str, float | None]] | None) -> dict[str, object]:
+    """``overoptimisation_curve`` keywords for the best-of-n baseline: its gold (held-out without gold) and proxy
+    scores against KL. Empty without a baseline; ValueError when a point lacks a key."""
+    if not best_of_n:
+        return {}
+    for point in best_of_n:
+        missing = {"kl", "proxy", "heldout"} - point.keys()
+        if missing:
+            raise ValueError(f"best_of_n point {dict(point)} lacks {sorted(missing)}; pass the points of the "
+                             "best-of-n stage (tasks.baseline_eval.BestOfNResult.points)")
+    has_gold = all(p.get("gold") is not None for p in best_of_n)
+    judge, label = ("gold", "gold") if has_gold else ("heldout", "held-out RM")
+    return {"best_of_n": [(float(p["kl"]), float(p[judge])) for p in best_of_n], "best_of_n_judge": label,
+            "best_of_n_proxy": [(float(p["kl"]), float(p["proxy"])) for p in best_of_n]}
+
+
 def _log_plots(run_id: str, policy: ReplySet, reference: ReplySet, metrics: Mapping[str, float],
-               history: Sequence[Mapping[str, float]], iteration: int, out: Path) -> None:
-    """Score histograms (gold if present, else held-out), reply lengths, the over-optimisation curve."""
+               history: Sequence[Mapping[str, float]], iteration: int, out: Path,
+               best_of_n_plot: Mapping[str, object] | None = None) -> None:
+    """Score histograms (gold if present, else held-out), reply lengths, the over-optimisation curve (with the
+    best-of-n keywords of :func:`best_of_n_series`)."""
     judge = "gold" if "gold" in policy.scores else "heldout"
     baseline = PolicyPoint(kl=0.0, proxy=metrics["eval/reference/proxy/mean"],
                            heldout=metrics["eval/reference/heldout/mean"],
@@ -313,7 +335,7 @@ def _log_plots(run_id: str, policy: ReplySet, reference: ReplySet, metrics: Mapp
                                             title=f"{judge} scores, iteration {iteration}", xlabel=f"{judge} score"),
         "eval_lengths.png": length_distribution({"policy": policy.lengths, "reference": reference.lengths},
                                                 title=f"Reply length, iteration {iteration}"),
-        "eval_overoptimisation.png": overoptimisation_curve(points),
+        "eval_overoptimisation.png": overoptimisation_curve(points, **(best_of_n_plot or {})),
     }
     for name, fig in figures.items():
         log_file(save_figure(fig, out / "plots" / name), "plots", run_id=run_id)

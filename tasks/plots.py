@@ -124,6 +124,8 @@ def overoptimisation_curve(
     points: Sequence[PolicyPoint],
     best_of_n: Sequence[tuple[float, float]] | None = None,
     title: str = "Reward over-optimisation",
+    best_of_n_judge: str = "gold",
+    best_of_n_proxy: Sequence[tuple[float, float]] | None = None,
 ) -> Figure:
     """Scores against KL to the reference (Gao et al. 2022), one line per judge.
 
@@ -131,9 +133,11 @@ def overoptimisation_curve(
     nats, so the reader can compare them directly. Points are joined in the given (training) order.
     Lines: proxy RM, held-out RM, gold (when every point has gold), and the optional best-of-N baseline
     ``[(kl, gold), ...]`` (its KL from ``rlhf_core.evaluation.best_of_n_kl``). Proxy up while held-out or
-    gold bends down is the signature of reward hacking.
+    gold bends down is the signature of reward hacking. ``best_of_n_judge`` names the judge of the
+    ``best_of_n`` series in the legend ('held-out RM' when the task has no gold); ``best_of_n_proxy`` adds the
+    best-of-N proxy scores ``[(kl, proxy), ...]`` as a dashed line in the proxy line's colour.
     """
-    if not points and not best_of_n:
+    if not points and not best_of_n and not best_of_n_proxy:
         raise ValueError("overoptimisation_curve needs policy points or a best-of-N series")
     fig, (ax,) = _new_figure(1, height=4.5)
     if points:
@@ -147,7 +151,10 @@ def overoptimisation_curve(
                 ax.annotate(p.label, (p.kl, p.proxy), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if best_of_n:
         bon_kl, bon_gold = zip(*sorted(best_of_n))
-        ax.plot(bon_kl, bon_gold, linestyle="--", marker="x", color="gray", label="best-of-N (gold)")
+        ax.plot(bon_kl, bon_gold, linestyle="--", marker="x", color="gray", label=f"best-of-N ({best_of_n_judge})")
+    if best_of_n_proxy:
+        bon_kl, bon_proxy = zip(*sorted(best_of_n_proxy))
+        ax.plot(bon_kl, bon_proxy, linestyle="--", marker="x", color="C0", label="best-of-N (proxy RM)")
     ax.set_title(title)
     ax.set_xlabel("KL(policy || reference), nats per reply")
     ax.set_ylabel("mean score")

@@ -39,7 +39,7 @@ from tasks.retries import retry_on_transient_io
 from tasks.io import read_parquet, write_json
 from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically
-from tasks.tracking import log_file, log_metrics, register_model_dir, stage_run
+from tasks.tracking import get_alias_version, log_file, log_metrics, register_model_dir, set_alias, stage_run
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -124,6 +124,9 @@ def run_reward_model(config: PipelineConfig, train_pairs: str, heldout_pairs: st
         held_dir = _save(held.model, tokenizer, out / "heldout")
         proxy_ref = register_model_dir(proxy_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
         held_ref = register_model_dir(held_dir, config.tracking.heldout_reward_model, run_id, aliases=ALIASES)
+        for ref in (proxy_ref, held_ref):  # the first reward model is the champion that refreshes must match
+            if get_alias_version(ref.name, "champion") is None:
+                set_alias(ref.name, "champion", ref.version)
         record = {"metrics": metrics, "proxy_uri": proxy_ref.uri, "heldout_uri": held_ref.uri,
                   "proxy_dir": str(proxy_dir), "heldout_dir": str(held_dir), "mlflow_run_id": run_id}
         metrics_json = write_json(record, out / METRICS_FILE)

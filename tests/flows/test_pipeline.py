@@ -13,7 +13,8 @@ from flows.pipeline import run_pipeline
 from tasks.tracking import configure_tracking, get_alias_version
 from tests.flows.conftest import new_tiny_run
 
-STAGES = ["data-prep", "sft", "reward-model", "ppo-iteration-1", "heldout-eval-1", "ppo-iteration-2", "heldout-eval-2"]
+STAGES = ["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration-1", "heldout-eval-1", "rm-refresh-1",
+          "ppo-iteration-2", "heldout-eval-2"]
 
 
 @pytest.fixture
@@ -51,7 +52,12 @@ def test_pipeline_runs_registers_retries_and_skips_cached_stages(tmp_path, mlflo
     policy_versions = sorted(int(v.version) for v in client.search_model_versions("name='rlhf-policy'"))
     assert policy_versions == [1, 2, 3]
     assert get_alias_version("rlhf-policy", "candidate") == 3
-    assert get_alias_version("rlhf-reward-model", "candidate") == 1
+    # The refresh after iteration 1 registered proxy v2; champion moved only if it was at least as accurate,
+    # and iteration 2 trained against whichever the refresh returned.
+    assert get_alias_version("rlhf-reward-model", "candidate") == 2
+    (refresh,) = summary["refreshes"]
+    assert get_alias_version("rlhf-reward-model", "champion") == (2 if refresh["promoted"] else 1)
+    assert refresh["reward_model_uri"] == f"models:/rlhf-reward-model/{2 if refresh['promoted'] else 1}"
     assert get_alias_version("rlhf-heldout-reward-model", "candidate") == 1
     champion = get_alias_version("rlhf-policy", "champion")
     assert (champion == 3) == summary["promoted"]
@@ -68,7 +74,7 @@ def test_pipeline_runs_registers_retries_and_skips_cached_stages(tmp_path, mlflo
                                   f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
     finished = sorted(r.data.tags["stage"] for r in children if r.info.status == "FINISHED")
     failed = [r.data.tags["stage"] for r in children if r.info.status == "FAILED"]
-    assert len(finished) == 7 and failed == ["reward-model"]  # the failed first attempt stays visible
+    assert len(finished) == 9 and failed == ["reward-model"]  # the failed first attempt stays visible
 
     # Rerunning the finished run skips every stage: nothing new is trained or registered.
     again = run_pipeline(record.config_path, record.run_id)
@@ -86,4 +92,4 @@ def test_a_changed_ppo_setting_reruns_only_ppo_and_eval(tmp_path, mlflow_store):
     run_pipeline(second.config_path, second.run_id)
     stages = state.load_run(second.run_id).stages
     assert {name: stage.result["cached"] for name, stage in stages.items()} == {
-        "data-prep": True, "sft": True, "reward-model": True, "ppo-iteration-1": False, "heldout-eval-1": False}
+        "data-prep": True, "sft": True, "reward-model": True, "best-of-n": True, "ppo-iteration-1": False, "heldout-eval-1": False}

@@ -1,0 +1,373 @@
+"""The rm-refresh stage: label fresh on-policy reply pairs and continue training the proxy reward model on them.
+
+PPO pushes the policy towards replies the proxy RM was never trained on, which is where the proxy goes wrong
+(reward hacking). This stage samples two replies per prompt from the *current* policy, has the configured
+annotator (``refresh.annotator``: simulated, file, rm_judge; see ``rlhf_core.annotators``) pick the better one,
+validates the labels like any preference data, and splits the fresh pairs by prompt into refresh-train and
+on-policy-eval. The current proxy is measured on the on-policy-eval pairs and on the held-out pairs, trained
+further on the fresh pairs (plus replayed old ones), and measured again. The refreshed RM is always saved and
+registered (alias ``candidate``); alias ``champion`` moves to it only when its held-out accuracy did not drop
+(beyond ``refresh.promotion_tolerance``), and only then does :attr:`RefreshResult.reward_model_uri` point to it.
+
+With ``refresh.annotator='file'`` and no ``refresh.labels_file`` the stage exports the unlabelled pairs to
+``<out_dir>/iter_<k>/unlabelled_pairs.csv`` and stops with :class:`LabelsPendingError`; label them
+(``tasks/labelling.py`` says how) and rerun with ``refresh.labels_file=<labelled copy>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+from prefect import task
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.annotators import (Annotator, PerPairAnnotator, ReplyPair, RewardModelJudge, preference_pairs,
+                                  sample_reply_pairs)
+from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.data import PREFERENCE_PAIRS, QUARANTINE, QuarantineReason, SourceRow
+from rlhf_core.data.schema import CHOSEN, PROMPT, REASON, REJECTED
+from rlhf_core.demo.annotator import SimulatedAnnotator
+from rlhf_core.models import freeze, load_policy, load_reward_model
+from rlhf_core.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
+from tasks.config import PipelineConfig, flatten_for_params
+from tasks.io import read_frame, read_parquet, write_json, write_parquet
+from tasks.labelling import export_unlabelled, import_labels, preference_rows, to_pairs, validate_preferences
+from tasks.retries import retry_on_transient_io
+from tasks.reward_model import read_pairs
+from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically
+from tasks.tracking import log_file, log_metrics, register_model_dir, set_alias, stage_run
+
+log = logging.getLogger(__name__)
+
+STAGE = "rm-refresh"
+UNLABELLED_STEM = "unlabelled_pairs"
+SKIPPED_FILE = "sampling_quarantine.parquet"
+METRICS_FILE = "metrics.json"
+ALIASES = ("candidate",)
+CHAMPION = "champion"
+EVALS_PER_TRAINING = 4
+"""On-policy evaluations during the continued training (plus the final one)."""
+
+Record = dict[str, object]
+
+
+class LabelsPendingError(RuntimeError):
+    """The file annotator exported pairs and waits for people to label them (a retry cannot help)."""
+
+    def __init__(self, message: str, exported_path: str) -> None:
+        super().__init__(message)
+        self.exported_path = exported_path
+        """The unlabelled pairs file to fill in."""
+
+
+@dataclass(frozen=True)
+class RefreshResult:
+    """The refreshed reward model, the promotion decision and the stage's metrics (plain values only)."""
+
+    reward_model_uri: str
+    """The RM the next PPO iteration must use: the new version if promoted, else the old ``proxy_rm_uri``."""
+    candidate_uri: str
+    """``models:/<tracking.reward_model>/<version>`` of the refreshed RM (registered either way)."""
+    new_version: int
+    """Registry version of the refreshed RM."""
+    promoted: bool
+    """Whether alias ``champion`` moved to the refreshed RM."""
+    promotion_reason: str
+    """Why it was (not) promoted, with the held-out accuracies."""
+    metrics: dict[str, float]
+    """``refresh/{onpolicy,heldout}_{accuracy,loss,margin}_{before,after}``, ``refresh/n_*`` counts, ``labels/*``."""
+    pairs_path: str
+    """Fresh refresh-train pairs (PREFERENCE_PAIRS Parquet)."""
+    eval_pairs_path: str
+    """Fresh on-policy-eval pairs (PREFERENCE_PAIRS Parquet), never trained on."""
+    quarantine_path: str
+    """Rejected labels with reasons (QUARANTINE Parquet)."""
+    model_dir: str
+    """Local ``save_pretrained`` folder of the refreshed RM."""
+    mlflow_run_id: str
+    """The nested ``rm-refresh-<iteration>`` MLflow run."""
+    metrics_json: str = ""
+    """``<out_dir>/iter_<k>/metrics.json``."""
+
+
+@dataclass(frozen=True)
+class _Fresh:
+    """Labelled, validated fresh pairs, every rejected one with its reason, and the counts."""
+
+    records: list[Record]
+    quarantine: list[Record]
+    counts: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Data:
+    """What the continued training and the before/after measurements read."""
+
+    train: list[PreferencePair]
+    """Fresh refresh-train pairs followed by the replayed old pairs."""
+    onpolicy: list[PreferencePair]
+    """Fresh on-policy-eval pairs (their prompts are not in ``train``'s fresh part)."""
+    heldout: list[PreferencePair]
+    """The original held-out pairs."""
+    tables: dict[str, str]
+    """Parquet tables written for this refresh (logged as artifacts)."""
+    counts: dict[str, float]
+    """``refresh/n_*`` and ``labels/*`` counts."""
+
+
+def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, proxy_rm_uri: str, heldout_rm_uri: str,
+                   train_pairs: str, heldout_pairs: str, ppo_prompts: str, out_dir: str,
+                   parent_run_id: str) -> RefreshResult:
+    """Label on-policy pairs of ``policy_uri``, continue training ``proxy_rm_uri`` on them, register the result
+    and promote it only if its held-out accuracy holds. Outputs go to ``<out_dir>/iter_<k>/``.
+
+    Raises LabelsPendingError (file annotator, pairs exported, labels not given yet), FileNotFoundError /
+    ValueError / DataError naming the file or setting on bad inputs.
+    """
+    here = Path(out_dir) / f"iter_{iteration:03d}"
+    data = prepare_refresh_data(config, iteration, policy_uri, heldout_rm_uri, train_pairs, heldout_pairs,
+                                ppo_prompts, here)
+    rm_dir = local_model(proxy_rm_uri)
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    model = load_reward_model(rm_dir, dtype_of(config)).to(device_of(config))
+    cfg = training_config(config, iteration)
+    params = {**{f"refresh.{k}": v for k, v in flatten_for_params(config.refresh).items()},
+              **{f"refresh.training.{k}": v for k, v in flatten_for_params(cfg).items()},
+              "iteration": iteration, "inputs.policy_uri": policy_uri, "inputs.proxy_rm_uri": proxy_rm_uri,
+              "inputs.heldout_rm_uri": heldout_rm_uri, "inputs.train_pairs": train_pairs,
+              "inputs.heldout_pairs": heldout_pairs, "inputs.ppo_prompts": ppo_prompts}
+    with stage_run(f"{STAGE}-{iteration}", parent_run_id, params=params, tags={"iteration": str(iteration)}) as run:
+        run_id = run.info.run_id
+        metrics = {**data.counts, **accuracies(model, tokenizer, data.onpolicy, data.heldout, cfg, "before")}
+        metrics["refresh/train_steps"] = float(_continue_training(model, tokenizer, data.train, data.onpolicy, cfg,
+                                                                  run_id))
+        metrics |= accuracies(model, tokenizer, data.onpolicy, data.heldout, cfg, "after")
+        new_dir = save_model_dir_atomically(lambda tmp: _save(model, tokenizer, tmp), here / "reward_model")
+        ref = register_model_dir(new_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
+        promoted, reason = promotion(metrics["refresh/heldout_accuracy_before"],
+                                     metrics["refresh/heldout_accuracy_after"], config.refresh.promotion_tolerance)
+        if promoted:
+            set_alias(config.tracking.reward_model, CHAMPION, ref.version)
+        metrics["refresh/promoted"] = float(promoted)
+        uri = ref.uri if promoted else proxy_rm_uri
+        record = {"metrics": metrics, "reward_model_uri": uri, "candidate_uri": ref.uri, "promoted": promoted,
+                  "promotion_reason": reason, "mlflow_run_id": run_id}
+        metrics_json = _log_outputs(run_id, iteration, record, data.tables, here / METRICS_FILE)
+    log.info("rm-refresh %d: on-policy accuracy %.3f -> %.3f, held-out %.3f -> %.3f; %s", iteration,
+             metrics["refresh/onpolicy_accuracy_before"], metrics["refresh/onpolicy_accuracy_after"],
+             metrics["refresh/heldout_accuracy_before"], metrics["refresh/heldout_accuracy_after"], reason)
+    return RefreshResult(uri, ref.uri, ref.version, promoted, reason, metrics, data.tables["train"],
+                         data.tables["eval"], data.tables["quarantine"], str(new_dir), run_id, metrics_json)
+
+
+def _log_outputs(run_id: str, iteration: int, record: Mapping[str, object], tables: Mapping[str, str],
+                 metrics_path: Path) -> str:
+    """Final metrics (at step ``iteration``), the promotion reason as a tag, the tables and metrics.json."""
+    log_metrics(record["metrics"], step=iteration, run_id=run_id)
+    MlflowClient().set_tag(run_id, "refresh.promotion", str(record["promotion_reason"]))
+    for path in tables.values():
+        log_file(path, "pairs", run_id=run_id)
+    metrics_json = write_json(record, metrics_path)
+    log_file(metrics_json, run_id=run_id)
+    return metrics_json
+
+
+# --------------------------------------------------------------------------------------------- fresh pairs
+
+
+def prepare_refresh_data(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,
+                         train_pairs: str, heldout_pairs: str, ppo_prompts: str, here: Path) -> _Data:
+    """Fresh labelled pairs split by prompt into refresh-train and on-policy-eval, the replayed old pairs and
+    the held-out pairs; the fresh tables and the quarantine are written under ``here``."""
+    section, seed = config.refresh, config.seed * 1000 + iteration
+    fresh = collect_fresh_pairs(config, iteration, policy_uri, heldout_rm_uri, ppo_prompts, here)
+    train_new, eval_new = split_by_prompt(fresh.records, section.on_policy_eval_fraction, seed)
+    replay = replay_sample(read_pairs(train_pairs), len(train_new), config, seed) if section.keep_old_pairs else []
+    tables = {"train": write_parquet(train_new, PREFERENCE_PAIRS, here / "refresh_train_pairs.parquet"),
+              "eval": write_parquet(eval_new, PREFERENCE_PAIRS, here / "onpolicy_eval_pairs.parquet"),
+              "quarantine": write_parquet(fresh.quarantine, QUARANTINE, here / "refresh_quarantine.parquet")}
+    counts = {**fresh.counts, "refresh/n_new_pairs": float(len(fresh.records)),
+              "refresh/n_train_new": float(len(train_new)), "refresh/n_onpolicy_eval": float(len(eval_new)),
+              "refresh/n_old_replayed": float(len(replay))}
+    return _Data(to_pairs(train_new) + replay, to_pairs(eval_new), read_pairs(heldout_pairs), tables, counts)
+
+
+def collect_fresh_pairs(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,
+                        ppo_prompts: str, here: Path) -> _Fresh:
+    """Sample on-policy pairs and label them with ``refresh.annotator`` (file: import, or export and stop)."""
+    section = config.refresh
+    if section.annotator == "file" and section.labels_file is not None:
+        return _imported(config, iteration, here)
+    candidates, skipped = sample_candidates(config, iteration, policy_uri, ppo_prompts, here)
+    if section.annotator == "file":
+        exported = export_unlabelled(candidates, here / f"{UNLABELLED_STEM}.{section.export_format}")
+        raise LabelsPendingError(
+            f"rm-refresh iteration {iteration}: {len(candidates)} unlabelled on-policy pairs were exported to "
+            f"{exported}. Fill its 'label' column with 'a' (reply_a is better) or 'b' (reply_b is better) for each "
+            "row (instructions: tasks/labelling.py), save it as CSV or Parquet, and resume the same run with "
+            f"refresh.labels_file=<the labelled file>", exported)
+    prefers_a = build_annotator(config, iteration, heldout_rm_uri).label(candidates)
+    source = f"{STAGE}-{iteration}:{section.annotator}"
+    judged = preference_rows(source, preference_pairs(candidates, prefers_a))
+    records, rejected = validate_preferences(source, judged, config.data.prep)
+    counts = {**_skip_counts(skipped, len(candidates) + len(skipped)),
+              "refresh/label_a_fraction": sum(prefers_a) / len(prefers_a), "labels/rows_in": float(len(judged)),
+              "labels/accepted": float(len(records)), "labels/quarantined": float(len(rejected))}
+    return _Fresh(records, skipped + rejected, counts)
+
+
+def sample_candidates(config: PipelineConfig, iteration: int, policy_uri: str, ppo_prompts: str,
+                      here: Path) -> tuple[list[ReplyPair], list[Record]]:
+    """Two replies of the current policy to each of ``refresh.n_pairs`` seeded PPO prompts, checked like any
+    preference data *before* anyone labels them: pairs with identical or empty replies, exact repeats and the
+    like are skipped with their reason (returned, and written to ``here/sampling_quarantine.parquet``)."""
+    prompts = read_frame(ppo_prompts, ["prompt"])["prompt"].tolist()
+    if not prompts:
+        raise ValueError(f"PPO prompt table {ppo_prompts} is empty; rm-refresh samples its pairs from these prompts")
+    seed = config.seed * 1000 + iteration
+    drawn = draw_prompts(prompts, config.refresh.n_pairs, random.Random(f"{STAGE}:{seed}"))
+    policy_dir = local_model(policy_uri)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    policy = freeze(load_policy(policy_dir, dtype_of(config)).to(device_of(config)))
+    sampled = sample_reply_pairs(policy, tokenizer, drawn, config.ppo.ppo.generation, seed)
+    source = f"{STAGE}-{iteration}:sampled"
+    rows = [SourceRow(source, i, {PROMPT: p.prompt, CHOSEN: p.reply_a, REJECTED: p.reply_b})
+            for i, p in enumerate(sampled)]
+    records, skipped = validate_preferences(source, rows, config.data.prep)
+    write_parquet(skipped, QUARANTINE, here / SKIPPED_FILE)
+    if not records:
+        raise ValueError(f"none of the {len(sampled)} on-policy reply pairs is usable (reasons in "
+                         f"{here / SKIPPED_FILE}); a collapsed policy repeats itself: raise "
+                         "ppo.ppo.generation.temperature or refresh.n_pairs")
+    return [ReplyPair(str(r[PROMPT]), str(r[CHOSEN]), str(r[REJECTED])) for r in records], skipped
+
+
+def _skip_counts(skipped: Sequence[Mapping[str, object]], n_sampled: int) -> dict[str, float]:
+    """``refresh/n_sampled``, ``refresh/n_skipped``, ``refresh/n_identical_skipped``, ``refresh/skipped/<reason>``."""
+    by_reason = Counter(str(r[REASON]) for r in skipped)
+    return {"refresh/n_sampled": float(n_sampled), "refresh/n_skipped": float(len(skipped)),
+            "refresh/n_identical_skipped": float(by_reason[QuarantineReason.IDENTICAL_PAIR.value]),
+            **{f"refresh/skipped/{reason}": float(n) for reason, n in sorted(by_reason.items())}}
+
+
+def draw_prompts(prompts: Sequence[str], n: int, rng: random.Random) -> list[str]:
+    """``n`` prompts without repeats when there are enough, else every prompt as often as needed (shuffled)."""
+    if len(prompts) >= n:
+        return rng.sample(list(prompts), n)
+    drawn: list[str] = []
+    while len(drawn) < n:
+        drawn += rng.sample(list(prompts), len(prompts))
+    return drawn[:n]
+
+
+def build_annotator(config: PipelineConfig, iteration: int, heldout_rm_uri: str) -> Annotator:
+    """The configured in-process annotator: the simulated one (demo) or a reward-model judge."""
+    section = config.refresh
+    if section.annotator == "simulated":
+        # The demo's human stand-in: its labels are the only thing training ever sees of gold.
+        return PerPairAnnotator(SimulatedAnnotator(section.annotator_temperature, seed=config.seed * 1000 + iteration))
+    if section.annotator == "rm_judge":
+        judge_dir = local_model(section.judge_model or heldout_rm_uri)
+        judge = freeze(load_reward_model(judge_dir, dtype_of(config)).to(device_of(config)))
+        return RewardModelJudge(judge, AutoTokenizer.from_pretrained(judge_dir), config.reward_model.heldout.max_length,
+                                config.eval.batch_size)
+    raise ValueError(f"refresh.annotator={section.annotator!r} labels through files (tasks/labelling.py), "
+                     "not in process")
+
+
+def _imported(config: PipelineConfig, iteration: int, here: Path) -> _Fresh:
+    """The labelled file of an earlier export, with the pairs that export skipped."""
+    section = config.refresh
+    exported = here / f"{UNLABELLED_STEM}.{section.export_format}"
+    if not exported.is_file():
+        raise FileNotFoundError(f"refresh.labels_file is set but this run exported no pairs at {exported}; rerun "
+                                "rm-refresh without refresh.labels_file to export them, label that file, then resume")
+    labels = import_labels(section.labels_file.replace("{iteration}", str(iteration)), str(exported),
+                           config.data.prep)
+    skipped = read_parquet(here / SKIPPED_FILE, QUARANTINE) if (here / SKIPPED_FILE).is_file() else []
+    counts = {**_skip_counts(skipped, labels.n_exported + len(skipped)), **labels.counts()}
+    return _Fresh(labels.records, skipped + labels.quarantine, counts)
+
+
+def split_by_prompt(records: Sequence[Record], eval_fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+    """(refresh-train, on-policy-eval) records; a prompt's pairs all land on one side, so eval is unseen."""
+    prompts = list(dict.fromkeys(str(r[PROMPT]) for r in records))
+    if len(prompts) < 2:
+        raise ValueError(f"rm-refresh needs labelled pairs on at least 2 prompts (one to train on, one to evaluate "
+                         f"on), got {len(prompts)}; raise refresh.n_pairs or check the refresh quarantine table")
+    random.Random(seed).shuffle(prompts)
+    held = set(prompts[: min(len(prompts) - 1, max(1, round(eval_fraction * len(prompts))))])
+    return [r for r in records if r[PROMPT] not in held], [r for r in records if r[PROMPT] in held]
+
+
+def replay_sample(old: Sequence[PreferencePair], n_new: int, config: PipelineConfig, seed: int) -> list[PreferencePair]:
+    """A seeded sample of ``refresh.old_pairs_ratio * n_new`` original training pairs (at most all of them)."""
+    k = min(len(old), round(config.refresh.old_pairs_ratio * n_new))
+    return random.Random(seed).sample(list(old), k)
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def training_config(config: PipelineConfig, iteration: int) -> RewardTrainingConfig:
+    """``reward_model.training`` with refresh's epochs / learning rate and a per-iteration shuffle seed."""
+    base, section = config.reward_model.training, config.refresh
+    return replace(base, epochs=section.epochs, learning_rate=section.learning_rate or base.learning_rate,
+                   seed=base.seed + iteration)
+
+
+def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, onpolicy: Sequence[PreferencePair],
+               heldout: Sequence[PreferencePair], cfg: RewardTrainingConfig, when: str) -> dict[str, float]:
+    """``refresh/{onpolicy,heldout}_{accuracy,loss,margin}_<when>`` of ``model``."""
+    metrics = {}
+    for name, pairs in (("onpolicy", onpolicy), ("heldout", heldout)):
+        result = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, pairs, cfg.max_length), cfg.batch_size)
+        metrics |= {f"refresh/{name}_accuracy_{when}": result.accuracy, f"refresh/{name}_loss_{when}": result.loss,
+                    f"refresh/{name}_margin_{when}": result.margin_mean}
+    return metrics
+
+
+def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
+                       onpolicy: Sequence[PreferencePair], cfg: RewardTrainingConfig, run_id: str) -> int:
+    """Train in place; per-step ``refresh/train/*`` and ``refresh/eval/*`` (on-policy) curves go to MLflow."""
+    steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
+    curve: list[Metric] = []
+
+    def on_log(step: int, metrics: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        curve.extend(Metric(f"refresh/{k.removeprefix('rm/')}", float(v), now, step) for k, v in metrics.items())
+
+    log.info("rm-refresh: %d training pairs, %d steps", len(train), steps)
+    train_reward_model(model, tokenizer, train, onpolicy, cfg, on_log=on_log,
+                       eval_every=max(1, steps // EVALS_PER_TRAINING))
+    client = MlflowClient()
+    for start in range(0, len(curve), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=curve[start : start + MAX_METRICS_PER_BATCH])
+    return steps
+
+
+def promotion(heldout_before: float, heldout_after: float, tolerance: float) -> tuple[bool, str]:
+    """(promote?, why): promote when held-out accuracy is at least the old RM's minus ``tolerance``."""
+    if heldout_after >= heldout_before - tolerance:
+        return True, (f"promoted: held-out accuracy {heldout_after:.3f} >= {heldout_before:.3f} of the old RM "
+                      f"(tolerance {tolerance})")
+    return False, (f"not promoted: held-out accuracy fell from {heldout_before:.3f} to {heldout_after:.3f} (tolerance "
+                   f"{tolerance}); champion and the RM PPO uses stay as they were")
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+rm_refresh_task = task(name=STAGE, retries=1, retry_condition_fn=retry_on_transient_io)(run_rm_refresh)
