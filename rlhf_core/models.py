@@ -92,13 +92,20 @@ def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
 
 
 class ValueHead(nn.Module):
-    """A linear value head on the policy's last hidden state, initialised near zero."""
+    """A linear value head on the policy's last hidden state, initialised near zero.
 
-    def __init__(self, hidden_size: int) -> None:
+    The initial weights come from their own seeded generator, not the global RNG: a resumed pipeline whose
+    earlier stages came from cache (and so consumed no random numbers) must build the same head.
+    """
+
+    def __init__(self, hidden_size: int, seed: int = 0) -> None:
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5 * 0.01)
-        nn.init.zeros_(self.summary.bias)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            std = 0.01 / (hidden_size + 1) ** 0.5
+            self.summary.weight.copy_(torch.randn(self.summary.weight.shape, generator=generator) * std)
+            self.summary.bias.zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T)."""

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 from prefect import task
 from safetensors.torch import save_model
@@ -87,7 +88,7 @@ def build_models(config: PipelineConfig, reference_dir: str, reward_dir: str, to
                   stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
     if config.ppo.ppo.value_model == "critic":
         return PPOModels(**common, critic=Critic(reward_model).to(device))
-    return PPOModels(**common, value_head=ValueHead(policy.config.hidden_size).to(device))
+    return PPOModels(**common, value_head=ValueHead(policy.config.hidden_size, seed=config.seed).to(device))
 
 
 def run_ppo_iteration(
@@ -149,8 +150,6 @@ def _save_policy(models: PPOModels, tokenizer: PreTrainedTokenizerBase, folder: 
 def _write_samples(models: PPOModels, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
                    config: PipelineConfig, path: Path, n: int = 32) -> Path:
     """A small generation table (prompt, response, score, stopped) for browsing in the MLflow UI."""
-    import pandas as pd
-
     device = next(models.policy.parameters()).device
     ids, mask = left_pad(prompts[:n], models.pad_token_id)
     rollout = generate(models.policy, ids.to(device), mask.to(device), config.ppo.ppo.generation,

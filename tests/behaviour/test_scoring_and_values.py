@@ -97,3 +97,14 @@ def test_models_refuse_pad_equal_to_eos(tiny_policy_dir):
         assert "distinct from eos" in str(err)
     else:
         raise AssertionError("pad == eos must be refused")
+
+
+def test_value_head_init_ignores_the_global_rng():
+    """A resumed run whose earlier stages were cached has consumed fewer random numbers: same head anyway."""
+    torch.manual_seed(123)
+    a = ValueHead(32, seed=7)
+    torch.rand(1000)
+    b = ValueHead(32, seed=7)
+    assert torch.equal(a.summary.weight, b.summary.weight)
+    assert not torch.equal(a.summary.weight, ValueHead(32, seed=8).summary.weight)
+    assert float(a.summary.weight.detach().abs().max()) < 0.01
