@@ -152,8 +152,9 @@ def _list_runs(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs in {Path(args.state_dir).resolve()}")
         return 0
-    print(f"{'run id':<32}{'name':<10}{'status':<11}{'stages done':<13}created")
+    width = max(len("name"), *(len(record.name) for record in runs)) + 2
+    print(f"{'run id':<32}{'name':<{width}}{'status':<11}{'stages done':<13}created")
     for record in runs:
         done = sum(1 for s in record.stages.values() if s.status == "completed")
-        print(f"{record.run_id:<32}{record.name:<10}{record.status:<11}{done:<13}{record.created}")
+        print(f"{record.run_id:<32}{record.name:<{width}}{record.status:<11}{done:<13}{record.created}")
     return 0
