@@ -66,12 +66,13 @@ def train_ppo(
     sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
     result = PPORunResult()
     found = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    verb = "resumed"
     if found is None and init_from is not None:
-        found = Path(init_from)
+        found, verb = Path(init_from), "continuing"
     if found is not None:
         saved = load_checkpoint(found, _modules(models, config), optimizer, state.generator)
         _restore(saved, state, sampler, scheduler, result)
-        log.info("resumed PPO from %s (step %d)", found, state.step)
+        log.info("%s PPO from %s (step %d)", verb, found, state.step)
     started, first_step = time.monotonic(), state.step
     while state.step < n_updates:
         batch = [prompts[i] for i in sampler.next_batch()]
