@@ -14,7 +14,7 @@ prompt) and asks an :class:`Annotator` which reply of each :class:`ReplyPair` is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -24,7 +24,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.data.split import pair_id
 from rlhf_core.models import sequence_scores
 from rlhf_core.reward_training import PreferencePair
-from rlhf_core.rollout import generate, left_pad
+from rlhf_core.rollout import generate_in_batches
 from rlhf_core.scoring import decode_rollout
 from rlhf_core.text import encode_pair, encode_prompt, keep_tail, pad_id, right_pad
 
@@ -133,21 +133,15 @@ def sample_reply_pairs(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     """
     if not prompts:
         raise ValueError("no prompts to sample reply pairs for")
-    device = next(policy.parameters()).device
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     _check_room(policy, prompt_ids, generation.max_new_tokens)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    stop, pad = [tokenizer.eos_token_id], pad_id(tokenizer)
-    per_batch = max(1, generation.batch_size // 2)
-    pairs = []
-    for start in range(0, len(prompts), per_batch):
-        chunk = prompt_ids[start : start + per_batch]
-        query_ids, query_mask = left_pad([ids for ids in chunk for _ in range(2)], pad)  # (2B, Tq)
-        rollout = generate(policy, query_ids.to(device), query_mask.to(device), generation, stop, pad, generator)
-        _, replies = decode_rollout(rollout, tokenizer)
-        pairs += [ReplyPair(prompt, replies[2 * i], replies[2 * i + 1])
-                  for i, prompt in enumerate(prompts[start : start + per_batch])]
-    return pairs
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    rows = [ids for ids in prompt_ids for _ in range(2)]  # both replies of a prompt always share a batch
+    per_batch = replace(generation, batch_size=2 * max(1, generation.batch_size // 2))
+    replies = [reply for rollout in generate_in_batches(policy, rows, per_batch, [tokenizer.eos_token_id],
+                                                        pad_id(tokenizer), generator)
+               for reply in decode_rollout(rollout, tokenizer)[1]]
+    return [ReplyPair(prompt, replies[2 * i], replies[2 * i + 1]) for i, prompt in enumerate(prompts)]
 
 
 def _check_room(policy: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation import best_of_n_kl
-from rlhf_core.rollout import Rollout, generate, left_pad
+from rlhf_core.rollout import Rollout, generate_in_batches
 from rlhf_core.scoring import Scorer, decode_rollout
 from rlhf_core.text import pad_id
 
@@ -110,14 +110,11 @@ def sample_candidates(
         raise ValueError("no prompts to sample best-of-n candidates for")
     if n_max < 1:
         raise ValueError(f"best-of-n needs n_max >= 1 samples per prompt, got {n_max}")
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    stop, pad = [tokenizer.eos_token_id], pad_id(tokenizer)
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     rows = [ids for ids in prompt_ids for _ in range(n_max)]
     rollouts, replies, lengths, stopped = [], [], [], []
-    for start in range(0, len(rows), generation.batch_size):
-        query_ids, query_mask = left_pad(rows[start : start + generation.batch_size], pad)
-        rollout = generate(policy, query_ids.to(device), query_mask.to(device), generation, stop, pad, generator)
+    for rollout in generate_in_batches(policy, rows, generation, [tokenizer.eos_token_id], pad_id(tokenizer),
+                                       generator):
         rollouts.append(rollout)
         replies += decode_rollout(rollout, tokenizer)[1]
         lengths += rollout.response_mask.sum(dim=1).tolist()

@@ -18,7 +18,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.demo.gold import gold_breakdown, gold_score
 from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
-from rlhf_core.rollout import generate, left_pad
+from rlhf_core.rollout import generate_in_batches
 from rlhf_core.text import encode_prompt, pad_id
 
 @dataclass(frozen=True)
@@ -71,15 +71,12 @@ def sample_replies(
 
     Prompts are tokenized without special tokens, as in SFT and PPO; ``top_k=1`` gives argmax decoding.
     """
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     replies: list[str] = []
     stopped: list[bool] = []
-    for start in range(0, len(prompts), generation.batch_size):
-        chunk = [encode_prompt(tokenizer, p) for p in prompts[start : start + generation.batch_size]]
-        query_ids, query_mask = left_pad(chunk, pad_id(tokenizer))
-        rollout = generate(model, query_ids.to(device), query_mask.to(device), generation,
-                           [tokenizer.eos_token_id], pad_id(tokenizer), generator)
+    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+    for rollout in generate_in_batches(model, prompt_ids, generation, [tokenizer.eos_token_id], pad_id(tokenizer),
+                                       generator):
         for row in range(rollout.response_ids.shape[0]):
             ids = rollout.response_ids[row][rollout.response_mask[row]]
             replies.append(tokenizer.decode(ids, skip_special_tokens=True))

@@ -18,7 +18,7 @@ from rlhf_core.kl import kl_estimate
 from rlhf_core.masking import masked_mean, masked_sum
 from rlhf_core.models import Critic, ValueHead, critic_forward, policy_forward
 from rlhf_core.rewards import RunningMoments, shape_scores, token_rewards
-from rlhf_core.rollout import Rollout, generate, left_pad
+from rlhf_core.rollout import Rollout, generate_in_batches
 from rlhf_core.scoring import Scorer
 from rlhf_core.stats import RolloutStats
 
@@ -99,13 +99,8 @@ def collect_experience(
     """Generate and score one rollout batch. Returns (experience, stats, generation s, scoring s)."""
     device = next(models.policy.parameters()).device
     started = time.monotonic()
-    rollouts = []
-    for start in range(0, len(prompts), config.generation.batch_size):
-        query_ids, query_mask = left_pad(prompts[start : start + config.generation.batch_size], models.pad_token_id)
-        rollouts.append(
-            generate(models.policy, query_ids.to(device), query_mask.to(device), config.generation,
-                     models.stop_token_ids, models.pad_token_id, generator)
-        )
+    rollouts = list(generate_in_batches(models.policy, prompts, config.generation, models.stop_token_ids,
+                                        models.pad_token_id, generator))
     rollout = concat_rollouts(rollouts, models.pad_token_id)
     generated = time.monotonic()
     old_logprobs, ref_logprobs, old_values = old_policy_outputs(

@@ -26,7 +26,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation import (distinct_n, mean_repetition_rate, self_similarity, sequence_kl, sequence_kl_k3,
                                   spearman, win_rate)
 from rlhf_core.models import policy_forward
-from rlhf_core.rollout import Rollout, generate, left_pad
+from rlhf_core.rollout import Rollout, generate_in_batches
 from rlhf_core.scoring import Scorer, decode_rollout
 from rlhf_core.text import pad_id
 
@@ -148,16 +148,15 @@ def sample_and_judge(
     if not prompt_ids:
         raise ValueError("no evaluation prompts to sample replies for")
     device = next(policy.parameters()).device
-    generators = {who: torch.Generator(device=device).manual_seed(seed) for who in ("policy", "reference")}
     stop, pad = [tokenizer.eos_token_id], pad_id(tokenizer)
+    policy_chunks, reference_chunks = (
+        generate_in_batches(model, prompt_ids, generation, stop, pad, torch.Generator(device=device).manual_seed(seed))
+        for model in (policy, reference)
+    )
     collected = {"policy": _Collected(), "reference": _Collected()}
-    for start in range(0, len(prompt_ids), generation.batch_size):
-        query_ids, query_mask = left_pad(prompt_ids[start : start + generation.batch_size], pad)
-        query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-        for who, model in (("policy", policy), ("reference", reference)):
-            rollout = generate(model, query_ids, query_mask, generation, stop, pad, generators[who])
-            kl = rollout_kl(policy, reference, rollout) if who == "policy" else None
-            collected[who].add(rollout, tokenizer, scorers, kl)
+    for policy_rollout, reference_rollout in zip(policy_chunks, reference_chunks, strict=True):
+        collected["policy"].add(policy_rollout, tokenizer, scorers, rollout_kl(policy, reference, policy_rollout))
+        collected["reference"].add(reference_rollout, tokenizer, scorers, None)
     return collected["policy"].freeze(), collected["reference"].freeze()
 
 

@@ -6,7 +6,7 @@ Logits at position ``t`` predict token ``t + 1``, so the response logits are ``l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -160,3 +160,23 @@ def _sample_loop(
         past, next_logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def generate_in_batches(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Iterator[Rollout]:
+    """:func:`generate` over token-id prompts, ``config.batch_size`` at a time, on the model's device.
+
+    Yields one :class:`Rollout` per chunk, in prompt order; one ``generator`` serves every chunk, so the same
+    prompts, settings and seed give the same replies.
+    """
+    device = next(model.parameters()).device
+    for start in range(0, len(prompts), config.batch_size):
+        query_ids, query_mask = left_pad(prompts[start : start + config.batch_size], pad_token_id)
+        yield generate(model, query_ids.to(device), query_mask.to(device), config, stop_token_ids, pad_token_id,
+                       generator)
