@@ -18,6 +18,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.demo.gold import gold_breakdown, gold_score
 from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
+from rlhf_core.policy_eval import fit_max_new_tokens
 from rlhf_core.rollout import generate_in_batches
 from rlhf_core.text import encode_prompt, pad_id
 
@@ -155,20 +156,6 @@ class PolicyGoldReport:
         return metrics
 
 
-def fit_max_new_tokens(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], max_new_tokens: int
-) -> int:
-    """``max_new_tokens`` cut so the longest prompt plus its reply fits the model's positions."""
-    positions = getattr(model.config, "max_position_embeddings", None) or max_new_tokens + 10**9
-    room = positions - max(len(encode_prompt(tokenizer, p)) for p in prompts)
-    if room < 1:
-        raise ValueError(
-            f"the longest evaluation prompt leaves no room for a reply in {positions} positions; "
-            "use a model with more positions (a bigger preset) or shorter prompts"
-        )
-    return min(max_new_tokens, room)
-
-
 def gold_report(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -185,7 +172,7 @@ def gold_report(
     if not records or not demonstrations:
         raise ValueError(f"need evaluation prompts and demonstrations, got {len(records)} and {len(demonstrations)}")
     prompts = [r.prompt for r in records]
-    budget = fit_max_new_tokens(model, tokenizer, prompts, generation.max_new_tokens)
+    budget = fit_max_new_tokens(model, [encode_prompt(tokenizer, p) for p in prompts], generation.max_new_tokens)
     sampling = replace(generation, max_new_tokens=budget)
     greedy_config = replace(generation, max_new_tokens=budget, temperature=1.0, top_k=1, top_p=1.0)
     greedy = sample_replies(model, tokenizer, prompts, greedy_config, seed)

@@ -16,7 +16,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.experience import Experience, PPOModels, collect_experience
 from rlhf_core.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
 from rlhf_core.losses import policy_loss, ppo_objective, value_loss
-from rlhf_core.masking import masked_mean, masked_sum, masked_var
+from rlhf_core.masking import masked_mean, masked_var
 from rlhf_core.models import critic_forward, policy_forward
 from rlhf_core.rewards import RunningMoments
 from rlhf_core.stats import PPOStats, TimeStats, UpdateStats
@@ -169,8 +169,3 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 def _accumulate(totals: dict[str, float], parts: dict[str, float], weight: float) -> None:
     for key, value in parts.items():
         totals[key] = totals.get(key, 0.0) + weight * value
-
-
-def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence k1 KL (sum over real tokens). (B, T) -> (B,)."""
-    return masked_sum(kl_estimate(logprobs, ref_logprobs, "k1"), mask, dim=1)

@@ -34,7 +34,7 @@ from rlhf_core.demo import gold_score
 from rlhf_core.policy_eval import evaluation_generation, fit_max_new_tokens
 from rlhf_core.text import encode_prompt
 from tasks.config import PipelineConfig
-from tasks.evaluate import _load_lm, _scorer, read_eval_prompts  # the same loading as heldout-eval
+from tasks.evaluate import load_frozen_lm, read_eval_prompts, reward_scorer  # the same loading as heldout-eval
 from tasks.io import write_json, write_parquet
 from tasks.plots import PolicyPoint, overoptimisation_curve, save_figure
 from tasks.retries import retry_on_transient_io
@@ -130,12 +130,12 @@ def sampling_temperature(config: PipelineConfig) -> float:
 def sample_and_score(config: PipelineConfig, prompts: Sequence[str], sft_uri: str, proxy_rm_uri: str,
                      heldout_rm_uri: str, n_max: int) -> tuple[Candidates, dict[str, torch.Tensor]]:
     """``n_max`` SFT replies per prompt and their scores: judge -> (P, n_max), gold on the demo task."""
-    policy, tokenizer = _load_lm(config, sft_uri)
+    policy, tokenizer = load_frozen_lm(config, sft_uri)
     if tokenizer is None:
         raise FileNotFoundError(f"SFT policy {sft_uri} has no tokenizer files; save it with "
                                 "tokenizer.save_pretrained")
-    scorers = {"proxy": _scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
-               "heldout": _scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
+    scorers = {"proxy": reward_scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
+               "heldout": reward_scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     base = config.ppo.ppo.generation
     budget = fit_max_new_tokens(policy, prompt_ids, base.max_new_tokens)

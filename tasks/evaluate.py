@@ -171,12 +171,14 @@ def _tokenizer_of(model_dir: str) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _load_lm(config: PipelineConfig, uri: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+def load_frozen_lm(config: PipelineConfig, uri: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A frozen causal LM (eval mode, no dropout, no gradients) and its folder's tokenizer, on the config's device."""
     folder = local_model(uri)
     return freeze(load_policy(folder, dtype_of(config)).to(device_of(config))), _tokenizer_of(folder)
 
 
-def _scorer(config: PipelineConfig, uri: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> RewardModelScorer:
+def reward_scorer(config: PipelineConfig, uri: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> RewardModelScorer:
+    """A frozen reward model as a scorer of policy rollouts (re-tokenizing when its tokenizer differs)."""
     folder = local_model(uri)
     model = load_reward_model(folder, dtype_of(config)).to(device_of(config))
     return RewardModelScorer(freeze(model), tokenizer, _tokenizer_of(folder), max_length, config.eval.batch_size)
@@ -185,15 +187,15 @@ def _scorer(config: PipelineConfig, uri: str, tokenizer: PreTrainedTokenizerBase
 def judge_replies(config: PipelineConfig, prompts: Sequence[str], policy_uri: str, reference_uri: str,
                   proxy_rm_uri: str, heldout_rm_uri: str) -> tuple[ReplySet, ReplySet]:
     """Replies of policy and reference, scored by the proxy and held-out RMs (and gold on the demo task)."""
-    policy, tokenizer = _load_lm(config, policy_uri)
-    reference, ref_tokenizer = _load_lm(config, reference_uri)
+    policy, tokenizer = load_frozen_lm(config, policy_uri)
+    reference, ref_tokenizer = load_frozen_lm(config, reference_uri)
     if tokenizer is None:
         raise FileNotFoundError(f"policy {policy_uri} has no tokenizer files; save it with tokenizer.save_pretrained")
     if ref_tokenizer is not None and not same_vocabulary(tokenizer, ref_tokenizer):
         raise ValueError(f"policy {policy_uri} and reference {reference_uri} have different vocabularies; KL "
                          "needs both on the same tokens: use the policy's SFT checkpoint as the reference")
-    scorers = {"proxy": _scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
-               "heldout": _scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
+    scorers = {"proxy": reward_scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
+               "heldout": reward_scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     budget = fit_max_new_tokens(policy, prompt_ids, config.ppo.ppo.generation.max_new_tokens)
     generation = evaluation_generation(config.ppo.ppo.generation, config.eval.temperature, config.eval.batch_size,

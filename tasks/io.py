@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -220,3 +221,24 @@ def read_frame(path: str | Path, columns: Sequence[str] = ()) -> pd.DataFrame:
 def write_frame(frame: pd.DataFrame, path: str | Path) -> str:
     """Write a DataFrame as Parquet atomically (temp file, then rename)."""
     return atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+def atomic_write_dir(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Run ``write(tmp_dir)`` (e.g. ``model.save_pretrained``) in a temp folder beside ``path``, then swap it
+    into place: readers see the old folder or the whole new one, never a partial or a missing one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        write(staging)
+        if target.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, retired / target.name)
+            os.replace(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

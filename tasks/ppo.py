@@ -29,9 +29,9 @@ from rlhf_core.stats import PPOStats
 from rlhf_core.text import encode_prompt, pad_id
 from tasks.config import PipelineConfig, flatten_for_params
 from tasks.retries import retry_on_transient_io
-from tasks.io import read_frame, write_frame, write_json
+from tasks.io import atomic_write_dir, read_frame, write_frame, write_json
 from tasks.plots import save_figure, training_curves
-from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically
+from tasks.runtime import device_of, dtype_of, local_model
 from tasks.tracking import log_figure, log_file, log_metrics, log_params_flat, register_model_dir, stage_run
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def run_ppo_iteration(
 
         result = train_ppo(models, prompts, section.ppo, target_steps, checkpoint_dir=here / "checkpoints",
                            checkpoint_every=section.checkpoint_every, on_step=on_step, init_from=init_checkpoint)
-        policy_dir = save_model_dir_atomically(lambda tmp: _save_policy(models, tokenizer, tmp), here / "policy")
+        policy_dir = atomic_write_dir(here / "policy", lambda tmp: _save_policy(models, tokenizer, tmp))
         ref = register_model_dir(policy_dir, config.tracking.policy_model, run_id)
         samples = _write_samples(models, tokenizer, prompts, config, here / "samples.parquet")
         log_file(samples, "samples", run_id=run_id)

@@ -36,9 +36,9 @@ from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, enco
 from rlhf_core.text import pad_id, right_pad
 from tasks.config import PipelineConfig, flatten_for_params
 from tasks.retries import retry_on_transient_io
-from tasks.io import read_parquet, write_json
+from tasks.io import atomic_write_dir, read_parquet, write_json
 from tasks.plots import loss_curve, save_figure, score_histograms
-from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically
+from tasks.runtime import device_of, dtype_of, local_model
 from tasks.tracking import get_alias_version, log_file, log_metrics, register_model_dir, set_alias, stage_run
 
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Pa
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return save_model_dir_atomically(save, target)
+    return atomic_write_dir(target, save)
 
 
 # --------------------------------------------------------------------------------------------- prefect

@@ -40,11 +40,11 @@ from rlhf_core.demo.annotator import SimulatedAnnotator
 from rlhf_core.models import freeze, load_policy, load_reward_model
 from rlhf_core.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
 from tasks.config import PipelineConfig, flatten_for_params
-from tasks.io import read_frame, read_parquet, write_json, write_parquet
+from tasks.io import atomic_write_dir, read_frame, read_parquet, write_json, write_parquet
 from tasks.labelling import export_unlabelled, import_labels, preference_rows, to_pairs, validate_preferences
 from tasks.retries import retry_on_transient_io
 from tasks.reward_model import read_pairs
-from tasks.runtime import device_of, dtype_of, local_model, save_model_dir_atomically
+from tasks.runtime import device_of, dtype_of, local_model
 from tasks.tracking import log_file, log_metrics, register_model_dir, set_alias, stage_run
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, prox
         metrics["refresh/train_steps"] = float(_continue_training(model, tokenizer, data.train, data.onpolicy, cfg,
                                                                   run_id))
         metrics |= accuracies(model, tokenizer, data.onpolicy, data.heldout, cfg, "after")
-        new_dir = save_model_dir_atomically(lambda tmp: _save(model, tokenizer, tmp), here / "reward_model")
+        new_dir = atomic_write_dir(here / "reward_model", lambda tmp: _save(model, tokenizer, tmp))
         ref = register_model_dir(new_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
         promoted, reason = promotion(metrics["refresh/heldout_accuracy_before"],
                                      metrics["refresh/heldout_accuracy_after"], config.refresh.promotion_tolerance)

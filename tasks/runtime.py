@@ -1,11 +1,8 @@
-"""Shared plumbing for stage tasks: device and dtype from the config, stage folders, model references."""
+"""Shared plumbing for stage tasks: device and dtype from the config, and model references."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -27,29 +24,6 @@ def dtype_of(config: PipelineConfig) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
-def stage_dir(run_dir: str | os.PathLike[str], stage: str) -> Path:
-    """``<run_dir>/<stage>``, created."""
-    path = Path(run_dir) / stage
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def local_model(ref: str, state_cache: str | os.PathLike[str] | None = None) -> str:
     """A local directory for a model reference: a path, ``models:/name@alias`` or ``models:/name/version``."""
     return resolve_model_uri(ref, cache_dir=state_cache)
-
-
-def save_model_dir_atomically(save: callable, target: str | os.PathLike[str]) -> Path:
-    """Call ``save(tmp_dir)`` (e.g. ``model.save_pretrained``) and move the folder into place only when complete."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
-        save(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target

@@ -11,9 +11,6 @@ replies are judged by the gold scorer next to the demonstrations: evaluation onl
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +26,7 @@ from rlhf_core.sft import SFTConfig, SFTResult, eval_loss, train_sft
 from rlhf_core.tokenizer import train_bpe_tokenizer
 from tasks.retries import retry_on_transient_io
 from tasks.demo_data import EVAL_PROMPTS, REPLY, SFT_DEMONSTRATIONS
-from tasks.io import atomic_write, read_parquet, write_json
+from tasks.io import atomic_write, atomic_write_dir, read_parquet, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -218,26 +215,13 @@ def plot_loss_curve(history: SFTResult, path: Path) -> str:
 
 
 def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> str:
-    """``save_pretrained`` model and tokenizer into a temp dir beside ``target``, then rename it into place.
+    """``save_pretrained`` model and tokenizer into ``target`` atomically (an earlier directory is replaced)."""
 
-    Readers see the old directory or the whole new one; an earlier directory is replaced.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            os.replace(target, retired / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return str(target)
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return str(atomic_write_dir(target, save))
 
 
 def _gold_report(
