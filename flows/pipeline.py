@@ -116,7 +116,7 @@ def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, pare
                    proxy_rm_uri=rm.proxy_uri, heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
                    out_dir=str(run_dir / "best_of_n"), parent_run_id=parent)
     history: list[dict[str, float]] = []
-    checkpoint, evals, refreshes, reward_model = None, [], [], rm.proxy_uri
+    checkpoint, evals, refreshes, reward_model, rm_generation = None, [], [], rm.proxy_uri, 0
     for k in range(1, config.ppo.iterations + 1):
         ppo = run("ppo-iteration", f"ppo-iteration-{k}", ppo_iteration_task, config=config, iteration=k,
                   reference_uri=sft.model_uri, reward_model_uri=reward_model, ppo_prompts=data.ppo_prompts,
@@ -127,7 +127,7 @@ def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, pare
                          heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
                          out_dir=str(run_dir / "eval" / f"iter_{k:03d}"), parent_run_id=parent, iteration=k,
                          history=list(history), policy_version=ppo.policy_version,
-                         best_of_n=list(baseline.points))
+                         best_of_n=list(baseline.points), rm_generation=rm_generation)
         history.append(dict(evaluation.metrics))
         evals.append(evaluation)
         if k < config.ppo.iterations and should_refresh(config, k, evaluation.status):
@@ -137,8 +137,9 @@ def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, pare
                             ppo_prompts=data.ppo_prompts, out_dir=str(run_dir / "rm_refresh"), parent_run_id=parent)
             refreshes.append(refreshed)
             if refreshed.reward_model_uri != reward_model:
-                # Proxy scores of different reward models are not comparable: the hacking window restarts.
-                history, reward_model = [], refreshed.reward_model_uri
+                # Proxy scores of different reward models are not comparable: the hacking detector's window
+                # restarts at the new generation (the plot keeps every iteration).
+                reward_model, rm_generation = refreshed.reward_model_uri, rm_generation + 1
     return build_summary(config, data, sft, rm, evals, baseline.points, refreshes)
 
 

@@ -38,7 +38,8 @@ def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any],
         "promoted": bool(last.promoted),
         "iterations": [{"iteration": e.iteration, "status": e.status, **e.metrics} for e in evals],
         "best_of_n": [dict(point) for point in best_of_n],
-        "refreshes": [{"reward_model_uri": r.reward_model_uri, "promoted": r.promoted, **r.metrics} for r in refreshes],
+        "refreshes": [{"iteration": r.iteration, "reward_model_uri": r.reward_model_uri, "promoted": r.promoted,
+                       **r.metrics} for r in refreshes],
         "reward_model": dict(rm.metrics),
         "sft": dict(sft.metrics),
         "data": dict(data.metrics),
@@ -58,7 +59,19 @@ def format_summary(summary: dict[str, Any]) -> str:
     for name, row in summary["policies"].items():
         cells = "".join(f"{row[c]:>10.3f}" if row.get(c) is not None else f"{'-':>10}" for c in columns)
         lines.append(f"{name:<8}{cells}")
+    lines += [refresh_line(r) for r in summary.get("refreshes", [])]
     lines.append(f"status: {summary['status']}" + (f" ({'; '.join(summary['reasons'])})" if summary["reasons"] else ""))
     lines.append(f"run {summary.get('run_id', '?')} in {summary.get('seconds', 0.0):.0f}s; "
                  f"final policy promoted to champion: {summary['promoted']}")
     return "\n".join(lines)
+
+
+def refresh_line(refresh: dict[str, Any]) -> str:
+    """``rm-refresh after iteration k: on-policy accuracy a -> b (gold-judged c -> d), held-out e -> f, promoted``."""
+    def change(name: str) -> str:
+        before, after = refresh.get(f"refresh/{name}_accuracy_before"), refresh.get(f"refresh/{name}_accuracy_after")
+        return f"{before:.3f} -> {after:.3f}" if before is not None and after is not None else "-"
+
+    gold = f" (gold-judged {change('onpolicy_gold')})" if "refresh/onpolicy_gold_accuracy_after" in refresh else ""
+    return (f"rm-refresh after iteration {refresh.get('iteration', '?')}: on-policy accuracy {change('onpolicy')}{gold}, "
+            f"held-out {change('heldout')}, {'promoted' if refresh['promoted'] else 'not promoted'}")

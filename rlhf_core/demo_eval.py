@@ -19,6 +19,7 @@ from rlhf_core.demo.gold import gold_breakdown, gold_score
 from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
 from rlhf_core.policy_eval import fit_max_new_tokens
+from rlhf_core.reward_training import PreferencePair
 from rlhf_core.rollout import generate_in_batches
 from rlhf_core.text import encode_prompt, pad_id
 
@@ -123,6 +124,21 @@ def annotator_agreement(rows: Iterable[Mapping[str, str]]) -> AgreementStats:
         agree += gap > 0
     decided = n - ties
     return AgreementStats(n, ties, agree / decided if decided else float("nan"))
+
+
+def gold_judged(pairs: Iterable[PreferencePair]) -> list[PreferencePair]:
+    """``pairs`` relabelled by gold: ``chosen`` is the reply with the higher gold score; gold ties are dropped.
+
+    A reward model's accuracy on these is its agreement with the hidden judge, free of annotator noise
+    (a report only: these labels must never reach training).
+    """
+    judged = []
+    for pair in pairs:
+        gap = gold_score(pair.prompt, pair.chosen) - gold_score(pair.prompt, pair.rejected)
+        if gap:
+            better, worse = (pair.chosen, pair.rejected) if gap > 0 else (pair.rejected, pair.chosen)
+            judged.append(PreferencePair(pair.prompt, better, worse))
+    return judged
 
 
 @dataclass(frozen=True)

@@ -104,11 +104,15 @@ def run_heldout_eval(
     history: list[dict[str, float]] | None = None,
     policy_version: int | None = None,
     best_of_n: list[dict] | None = None,
+    rm_generation: int = 0,
 ) -> EvalResult:
     """Evaluate ``policy_uri`` against ``reference_uri`` on ``eval_prompts`` and gate its promotion.
 
     ``history`` holds the ``EvalResult.metrics`` of the earlier iterations of this run, oldest first (without
-    a baseline: the stage prepends one computed from the reference's own replies, KL 0). URIs are local
+    a baseline: the stage prepends one computed from the reference's own replies, KL 0). ``rm_generation``
+    counts the promoted reward-model refreshes before this iteration (recorded as ``eval/rm_generation``):
+    the hacking detector compares only iterations scored by the same proxy RM, because proxy scores of
+    different reward models are on different scales, while the over-optimisation plot shows every iteration. URIs are local
     folders or ``models:/name/version`` / ``models:/name@alias``. ``policy_version`` names the registered
     version to promote; without it the version is read from ``policy_uri``. ``best_of_n`` (the
     ``BestOfNResult.points`` of the best-of-n stage: dicts with ``kl``, ``proxy``, ``heldout``, ``gold``) is drawn
@@ -122,8 +126,10 @@ def run_heldout_eval(
               "temperature": config.eval.temperature}
     with stage_run(STAGE, parent_run_id, params=params) as run:
         policy, reference = judge_replies(config, prompts, policy_uri, reference_uri, proxy_rm_uri, heldout_rm_uri)
-        metrics = {"eval/iteration": float(iteration), **comparison_metrics(policy, reference)}
-        verdict = hacking_verdict(config, metrics, history or [])
+        metrics = {"eval/iteration": float(iteration), "eval/rm_generation": float(rm_generation),
+                   **comparison_metrics(policy, reference)}
+        same_rm = [h for h in history or [] if int(h.get("eval/rm_generation", 0)) == rm_generation]
+        verdict = hacking_verdict(config, metrics, same_rm)
         version, refusal = promotion_decision(config, verdict, metrics, policy_uri, policy_version)
         reasons = (*verdict.reasons, *([refusal] if refusal else []))
         metrics["eval/hacking"] = float(HACKING_CODES[verdict.status])
@@ -327,10 +333,12 @@ def _log_plots(run_id: str, policy: ReplySet, reference: ReplySet, metrics: Mapp
     judge = "gold" if "gold" in policy.scores else "heldout"
     baseline = PolicyPoint(kl=0.0, proxy=metrics["eval/reference/proxy/mean"],
                            heldout=metrics["eval/reference/heldout/mean"],
-                           gold=metrics.get("eval/reference/gold/mean"), label="ref")
+                           gold=metrics.get("eval/reference/gold/mean"), label="ref",
+                           rm_generation=int(metrics.get("eval/rm_generation", 0)))
     points = [baseline] + [
         PolicyPoint(kl=h["eval/kl/mean"], proxy=h["eval/proxy/mean"], heldout=h["eval/heldout/mean"],
-                    gold=h.get("eval/gold/mean"), label=f"it {int(h.get('eval/iteration', i + 1))}")
+                    gold=h.get("eval/gold/mean"), label=f"it {int(h.get('eval/iteration', i + 1))}",
+                    rm_generation=int(h.get("eval/rm_generation", 0)))
         for i, h in enumerate([*history, metrics])]
     figures = {
         "eval_scores.png": score_histograms({"policy": policy.scores[judge], "reference": reference.scores[judge]},

@@ -118,6 +118,9 @@ class PolicyPoint:
     """Mean gold score, when the task has a gold scorer."""
     label: str = ""
     """Annotation next to the point, e.g. ``"it 3"``."""
+    rm_generation: int = 0
+    """Which proxy RM scored ``proxy``: 0 = the first, k = after the k-th promoted refresh. Proxy scores of
+    different reward models are on different scales, so each generation gets its own proxy line."""
 
 
 def overoptimisation_curve(
@@ -133,7 +136,9 @@ def overoptimisation_curve(
     nats, so the reader can compare them directly. Points are joined in the given (training) order.
     Lines: proxy RM, held-out RM, gold (when every point has gold), and the optional best-of-N baseline
     ``[(kl, gold), ...]`` (its KL from ``rlhf_core.evaluation.best_of_n_kl``). Proxy up while held-out or
-    gold bends down is the signature of reward hacking. ``best_of_n_judge`` names the judge of the
+    gold bends down is the signature of reward hacking. After a reward-model refresh the proxy line breaks:
+    points of each :attr:`PolicyPoint.rm_generation` form their own dashed-on proxy line (labelled "proxy RM
+    after refresh k"), while held-out and gold, judged by the same models throughout, stay one line. ``best_of_n_judge`` names the judge of the
     ``best_of_n`` series in the legend ('held-out RM' when the task has no gold); ``best_of_n_proxy`` adds the
     best-of-N proxy scores ``[(kl, proxy), ...]`` as a dashed line in the proxy line's colour.
     """
@@ -142,7 +147,11 @@ def overoptimisation_curve(
     fig, (ax,) = _new_figure(1, height=4.5)
     if points:
         kls = [p.kl for p in points]
-        ax.plot(kls, [p.proxy for p in points], marker="o", label="proxy RM (optimised)")
+        for generation in sorted({p.rm_generation for p in points}):
+            same = [p for p in points if p.rm_generation == generation]
+            name = "proxy RM (optimised)" if generation == 0 else f"proxy RM after refresh {generation}"
+            ax.plot([p.kl for p in same], [p.proxy for p in same], marker="o", color="C0",
+                    linestyle="-" if generation == 0 else (0, (4, 1 + generation)), label=name)
         ax.plot(kls, [p.heldout for p in points], marker="s", label="held-out RM")
         if all(p.gold is not None for p in points):
             ax.plot(kls, [p.gold for p in points], marker="^", color="black", label="gold")

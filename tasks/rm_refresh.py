@@ -42,6 +42,7 @@ from rlhf_core.reward_training import PreferencePair, encode_pairs, evaluate_rew
 from tasks.config import PipelineConfig, flatten_for_params
 from tasks.io import atomic_write_dir, read_frame, read_parquet, write_json, write_parquet
 from tasks.labelling import export_unlabelled, import_labels, preference_rows, to_pairs, validate_preferences
+from tasks.refresh_eval import gold_judged_onpolicy
 from tasks.retries import retry_on_transient_io
 from tasks.reward_model import read_pairs
 from tasks.runtime import device_of, dtype_of, local_model
@@ -85,7 +86,8 @@ class RefreshResult:
     promotion_reason: str
     """Why it was (not) promoted, with the held-out accuracies."""
     metrics: dict[str, float]
-    """``refresh/{onpolicy,heldout}_{accuracy,loss,margin}_{before,after}``, ``refresh/n_*`` counts, ``labels/*``."""
+    """``refresh/{onpolicy,heldout,onpolicy_gold}_{accuracy,loss,margin}_{before,after}`` (``onpolicy_gold``: the
+    on-policy eval pairs labelled by gold, demo task only), ``refresh/n_*`` counts, ``labels/*``."""
     pairs_path: str
     """Fresh refresh-train pairs (PREFERENCE_PAIRS Parquet)."""
     eval_pairs_path: str
@@ -98,6 +100,8 @@ class RefreshResult:
     """The nested ``rm-refresh-<iteration>`` MLflow run."""
     metrics_json: str = ""
     """``<out_dir>/iter_<k>/metrics.json``."""
+    iteration: int = 0
+    """The PPO iteration whose policy wrote the fresh pairs."""
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,12 @@ def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, prox
               "inputs.heldout_pairs": heldout_pairs, "inputs.ppo_prompts": ppo_prompts}
     with stage_run(f"{STAGE}-{iteration}", parent_run_id, params=params, tags={"iteration": str(iteration)}) as run:
         run_id = run.info.run_id
-        metrics = {**data.counts, **accuracies(model, tokenizer, data.onpolicy, data.heldout, cfg, "before")}
+        judged = {"onpolicy": data.onpolicy, "heldout": data.heldout,
+                  "onpolicy_gold": gold_judged_onpolicy(config, data.onpolicy)}
+        metrics = {**data.counts, **accuracies(model, tokenizer, judged, cfg, "before")}
         metrics["refresh/train_steps"] = float(_continue_training(model, tokenizer, data.train, data.onpolicy, cfg,
                                                                   run_id))
-        metrics |= accuracies(model, tokenizer, data.onpolicy, data.heldout, cfg, "after")
+        metrics |= accuracies(model, tokenizer, judged, cfg, "after")
         new_dir = atomic_write_dir(here / "reward_model", lambda tmp: _save(model, tokenizer, tmp))
         ref = register_model_dir(new_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
         promoted, reason = promotion(metrics["refresh/heldout_accuracy_before"],
@@ -167,7 +173,7 @@ def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, prox
              metrics["refresh/onpolicy_accuracy_before"], metrics["refresh/onpolicy_accuracy_after"],
              metrics["refresh/heldout_accuracy_before"], metrics["refresh/heldout_accuracy_after"], reason)
     return RefreshResult(uri, ref.uri, ref.version, promoted, reason, metrics, data.tables["train"],
-                         data.tables["eval"], data.tables["quarantine"], str(new_dir), run_id, metrics_json)
+                         data.tables["eval"], data.tables["quarantine"], str(new_dir), run_id, metrics_json, iteration)
 
 
 def _log_outputs(run_id: str, iteration: int, record: Mapping[str, object], tables: Mapping[str, str],
@@ -326,11 +332,14 @@ def training_config(config: PipelineConfig, iteration: int) -> RewardTrainingCon
                    seed=base.seed + iteration)
 
 
-def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, onpolicy: Sequence[PreferencePair],
-               heldout: Sequence[PreferencePair], cfg: RewardTrainingConfig, when: str) -> dict[str, float]:
-    """``refresh/{onpolicy,heldout}_{accuracy,loss,margin}_<when>`` of ``model``."""
+def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+               judged: Mapping[str, Sequence[PreferencePair]], cfg: RewardTrainingConfig, when: str) -> dict[str, float]:
+    """``refresh/<name>_{accuracy,loss,margin}_<when>`` of ``model`` for each non-empty named pair set
+    (``onpolicy``: annotator labels, ``heldout``, and on the demo ``onpolicy_gold``: gold labels)."""
     metrics = {}
-    for name, pairs in (("onpolicy", onpolicy), ("heldout", heldout)):
+    for name, pairs in judged.items():
+        if not pairs:
+            continue
         result = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, pairs, cfg.max_length), cfg.batch_size)
         metrics |= {f"refresh/{name}_accuracy_{when}": result.accuracy, f"refresh/{name}_loss_{when}": result.loss,
                     f"refresh/{name}_margin_{when}": result.margin_mean}

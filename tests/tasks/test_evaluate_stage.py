@@ -157,9 +157,11 @@ def _setup(state: StateDir, tmp_path: Path, policy_dir: str, *overrides: str, de
 
 
 def _evaluate(setup: Setup, models: dict[str, str], out: Path, iteration: int = 1,
-              history: list[dict[str, float]] | None = None, policy_uri: str | None = None) -> EvalResult:
+              history: list[dict[str, float]] | None = None, policy_uri: str | None = None,
+              rm_generation: int = 0) -> EvalResult:
     return run_heldout_eval(setup.config, policy_uri or setup.policy_uri, models["reference"], models["proxy"],
-                            models["heldout"], setup.prompts, str(out), setup.parent_run_id, iteration, history)
+                            models["heldout"], setup.prompts, str(out), setup.parent_run_id, iteration, history,
+                            rm_generation=rm_generation)
 
 
 def _entry(proxy: float, heldout: float, iteration: int) -> dict[str, float]:
@@ -247,6 +249,25 @@ def test_hacked_history_is_flagged_and_blocks_promotion(state: StateDir, models:
     assert not result.promoted and any("'hacking'" in reason for reason in result.reasons)
     assert tracking.get_alias_version(setup.config.tracking.policy_model, CHAMPION) is None
     assert MlflowClient().get_run(result.mlflow_run_id).data.tags[STATUS_TAG] == "hacking"
+
+
+def test_history_scored_by_an_earlier_proxy_rm_is_not_compared(state: StateDir, models: dict[str, str],
+                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hacked history of the test above, but scored by the proxy RM before a promoted refresh: the detector
+    # must not compare proxy scores across reward models, while the plot still shows those iterations.
+    from tasks import evaluate
+
+    drawn: list[list[object]] = []
+    curve = evaluate.overoptimisation_curve
+    monkeypatch.setattr(evaluate, "overoptimisation_curve", lambda points, **kw: drawn.append(points) or curve(points, **kw))
+    setup = _setup(state, tmp_path, models["policy_copy"])
+    history = [_entry(proxy=-10.0, heldout=10.0, iteration=1), _entry(proxy=-5.0, heldout=5.0, iteration=2)]
+    result = _evaluate(setup, models, tmp_path / "out", iteration=3, history=history, rm_generation=1)
+    assert result.status != "hacking", result.reasons
+    assert not any("fell" in reason for reason in result.reasons)
+    assert result.metrics["eval/rm_generation"] == 1.0
+    [points] = drawn
+    assert [(p.label, p.rm_generation) for p in points] == [("ref", 1), ("it 1", 0), ("it 2", 0), ("it 3", 1)]
 
 
 @pytest.mark.filterwarnings("ignore:spearman:RuntimeWarning")  # every 'good good' reply scores the same

@@ -94,6 +94,21 @@ def test_overoptimisation_curve_lines_and_axis():
     assert [t.get_text() for t in ax.texts] == ["sft", "it 1", "it 2"]
 
 
+def test_overoptimisation_curve_breaks_the_proxy_line_at_a_reward_model_refresh():
+    points = [
+        PolicyPoint(kl=0.0, proxy=0.5, heldout=0.0, gold=1.0, label="ref", rm_generation=1),
+        PolicyPoint(kl=2.0, proxy=1.0, heldout=0.5, gold=1.4, label="it 1"),
+        PolicyPoint(kl=4.0, proxy=2.0, heldout=0.6, gold=1.5, label="it 2"),
+        PolicyPoint(kl=5.0, proxy=0.9, heldout=0.7, gold=1.7, label="it 3", rm_generation=1),
+    ]
+    [ax] = overoptimisation_curve(points).axes
+    assert legend_texts(ax) == ["proxy RM (optimised)", "proxy RM after refresh 1", "held-out RM", "gold"]
+    first, second, heldout, gold = ax.get_lines()
+    assert list(first.get_xdata()) == [2.0, 4.0] and list(second.get_ydata()) == [0.5, 0.9]
+    assert list(heldout.get_xdata()) == [0.0, 2.0, 4.0, 5.0]  # judged by one model throughout: one line
+    assert list(gold.get_ydata()) == [1.0, 1.4, 1.5, 1.7]
+
+
 def test_overoptimisation_curve_without_gold_has_two_lines():
     points = [PolicyPoint(kl=0.0, proxy=0.0, heldout=0.0), PolicyPoint(kl=1.0, proxy=1.0, heldout=0.6)]
     [ax] = overoptimisation_curve(points).axes

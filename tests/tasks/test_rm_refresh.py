@@ -232,6 +232,9 @@ def test_refresh_fixes_the_proxy_on_on_policy_pairs_it_never_saw(promoted: Refre
     assert m["refresh/skipped/empty_text"] == m["refresh/n_skipped"] > 0 and m["labels/quarantined"] == 0
     assert m["refresh/n_new_pairs"] == m["refresh/n_train_new"] + m["refresh/n_onpolicy_eval"]
     assert 0.2 < m["refresh/label_a_fraction"] < 0.8
+    # data.source is 'demo' here, so the eval pairs are also judged by gold (a report, never a training label)
+    assert {f"refresh/onpolicy_gold_{k}_{w}" for k in ("accuracy", "loss", "margin") for w in ("before", "after")} <= set(m)
+    assert 0.0 <= m["refresh/onpolicy_gold_accuracy_before"] <= 1.0
     train = read_parquet(promoted.pairs_path, PREFERENCE_PAIRS)
     held = read_parquet(promoted.eval_pairs_path, PREFERENCE_PAIRS)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}  # eval prompts never trained on

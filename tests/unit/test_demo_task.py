@@ -204,3 +204,16 @@ def test_sft_demonstrations_are_imperfect_and_spread_out() -> None:
     rng = random.Random(0)
     best = statistics.mean(gold_score(r.prompt, best_reply(rng, r)) for r in records)
     assert best > statistics.mean(scores) + 3.0
+
+
+def test_gold_judged_pairs_follow_gold_and_drop_ties() -> None:
+    from rlhf_core.demo_eval import gold_judged
+    from rlhf_core.reward_training import PreferencePair
+
+    prompt = render_prompt("My order #12345 arrived damaged.")
+    good = "Hello! I'm sorry about this. I have shipped a new package to you. Take care!"
+    bad = "Check the website."
+    assert gold_score(prompt, good) > gold_score(prompt, bad)
+    pairs = [PreferencePair(prompt, bad, good), PreferencePair(prompt, good, bad), PreferencePair(prompt, bad, bad)]
+    judged = gold_judged(pairs)
+    assert [(p.chosen, p.rejected) for p in judged] == [(good, bad), (good, bad)]  # swapped, kept, tie dropped
