@@ -134,7 +134,8 @@ def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, pare
             refreshed = run("rm-refresh", f"rm-refresh-{k}", rm_refresh_task, config=config, iteration=k,
                             policy_uri=ppo.policy_uri, proxy_rm_uri=reward_model, heldout_rm_uri=rm.heldout_uri,
                             train_pairs=data.train_pairs, heldout_pairs=data.heldout_pairs,
-                            ppo_prompts=data.ppo_prompts, out_dir=str(run_dir / "rm_refresh"), parent_run_id=parent)
+                            ppo_prompts=data.ppo_prompts, out_dir=str(run_dir / "rm_refresh"), parent_run_id=parent,
+                            earlier_pairs=[r.pairs_path for r in refreshes])
             refreshes.append(refreshed)
             if refreshed.reward_model_uri != reward_model:
                 # Proxy scores of different reward models are not comparable: the hacking detector's window

@@ -118,7 +118,7 @@ class _Data:
     """What the continued training and the before/after measurements read."""
 
     train: list[PreferencePair]
-    """Fresh refresh-train pairs followed by the replayed old pairs."""
+    """Fresh refresh-train pairs, the earlier refreshes' train pairs, then the replayed old pairs."""
     onpolicy: list[PreferencePair]
     """Fresh on-policy-eval pairs (their prompts are not in ``train``'s fresh part)."""
     heldout: list[PreferencePair]
@@ -131,16 +131,19 @@ class _Data:
 
 def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, proxy_rm_uri: str, heldout_rm_uri: str,
                    train_pairs: str, heldout_pairs: str, ppo_prompts: str, out_dir: str,
-                   parent_run_id: str) -> RefreshResult:
+                   parent_run_id: str, earlier_pairs: Sequence[str] = ()) -> RefreshResult:
     """Label on-policy pairs of ``policy_uri``, continue training ``proxy_rm_uri`` on them, register the result
     and promote it only if its held-out accuracy holds. Outputs go to ``<out_dir>/iter_<k>/``.
+
+    ``earlier_pairs`` are the refresh-train tables of this run's earlier refreshes (``RefreshResult.pairs_path``):
+    labels are expensive, so they are trained on again, whether or not their refresh was promoted.
 
     Raises LabelsPendingError (file annotator, pairs exported, labels not given yet), FileNotFoundError /
     ValueError / DataError naming the file or setting on bad inputs.
     """
     here = Path(out_dir) / f"iter_{iteration:03d}"
     data = prepare_refresh_data(config, iteration, policy_uri, heldout_rm_uri, train_pairs, heldout_pairs,
-                                ppo_prompts, here)
+                                ppo_prompts, here, earlier_pairs)
     rm_dir = local_model(proxy_rm_uri)
     tokenizer = AutoTokenizer.from_pretrained(rm_dir)
     model = load_reward_model(rm_dir, dtype_of(config)).to(device_of(config))
@@ -192,20 +195,24 @@ def _log_outputs(run_id: str, iteration: int, record: Mapping[str, object], tabl
 
 
 def prepare_refresh_data(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,
-                         train_pairs: str, heldout_pairs: str, ppo_prompts: str, here: Path) -> _Data:
-    """Fresh labelled pairs split by prompt into refresh-train and on-policy-eval, the replayed old pairs and
-    the held-out pairs; the fresh tables and the quarantine are written under ``here``."""
+                         train_pairs: str, heldout_pairs: str, ppo_prompts: str, here: Path,
+                         earlier_pairs: Sequence[str] = ()) -> _Data:
+    """Fresh labelled pairs split by prompt into refresh-train and on-policy-eval, the earlier refreshes'
+    train pairs, the replayed old pairs and the held-out pairs; the fresh tables and the quarantine are
+    written under ``here``."""
     section, seed = config.refresh, config.seed * 1000 + iteration
     fresh = collect_fresh_pairs(config, iteration, policy_uri, heldout_rm_uri, ppo_prompts, here)
     train_new, eval_new = split_by_prompt(fresh.records, section.on_policy_eval_fraction, seed)
-    replay = replay_sample(read_pairs(train_pairs), len(train_new), config, seed) if section.keep_old_pairs else []
+    earlier = [pair for path in earlier_pairs for pair in read_pairs(path)]
+    n_fresh = len(train_new) + len(earlier)
+    replay = replay_sample(read_pairs(train_pairs), n_fresh, config, seed) if section.keep_old_pairs else []
     tables = {"train": write_parquet(train_new, PREFERENCE_PAIRS, here / "refresh_train_pairs.parquet"),
               "eval": write_parquet(eval_new, PREFERENCE_PAIRS, here / "onpolicy_eval_pairs.parquet"),
               "quarantine": write_parquet(fresh.quarantine, QUARANTINE, here / "refresh_quarantine.parquet")}
     counts = {**fresh.counts, "refresh/n_new_pairs": float(len(fresh.records)),
               "refresh/n_train_new": float(len(train_new)), "refresh/n_onpolicy_eval": float(len(eval_new)),
-              "refresh/n_old_replayed": float(len(replay))}
-    return _Data(to_pairs(train_new) + replay, to_pairs(eval_new), read_pairs(heldout_pairs), tables, counts)
+              "refresh/n_earlier_refresh_pairs": float(len(earlier)), "refresh/n_old_replayed": float(len(replay))}
+    return _Data(to_pairs(train_new) + earlier + replay, to_pairs(eval_new), read_pairs(heldout_pairs), tables, counts)
 
 
 def collect_fresh_pairs(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,

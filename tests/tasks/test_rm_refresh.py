@@ -32,6 +32,7 @@ from tasks import tracking
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_parquet, write_parquet
 from tasks.labelling import export_unlabelled, import_labels
+from tasks.reward_model import read_pairs
 from tasks.rm_refresh import (CHAMPION, LabelsPendingError, RefreshResult, build_annotator, rm_refresh_task,
                               run_rm_refresh, split_by_prompt)
 from tasks.state import StateDir
@@ -278,6 +279,13 @@ def test_a_refresh_that_loses_held_out_accuracy_is_registered_but_not_promoted(
     client = MlflowClient()
     assert int(client.get_model_version_by_alias(name, CHAMPION).version) == 1
     assert int(client.get_model_version_by_alias(name, "candidate").version) == 2
+    # The next refresh trains on these labels again even though this refresh was not promoted.
+    again = run_rm_refresh(config, 2, inputs.policy, old.uri, inputs.judge, inputs.train, inputs.heldout_flipped,
+                           inputs.prompts, str(tmp_path), parent_id, earlier_pairs=[result.pairs_path])
+    n = again.metrics
+    assert n["refresh/n_earlier_refresh_pairs"] == m["refresh/n_train_new"] > 0
+    wanted = round(0.5 * (n["refresh/n_train_new"] + n["refresh/n_earlier_refresh_pairs"]))
+    assert n["refresh/n_old_replayed"] == min(wanted, len(read_pairs(inputs.train)))  # at most all old pairs
 
 
 def test_file_annotator_exports_then_trains_on_the_returned_labels(inputs: SimpleNamespace, parent_id: str,
