@@ -4,6 +4,8 @@ Layout of ``<root>/step_000010/``: ``policy.safetensors``, ``value.safetensors``
 ``reference.safetensors``, ``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors`` and
 ``state.json``. ``<root>/latest`` names the newest complete checkpoint; a directory only gets its final
 name after every file in it is written, so a run killed mid-save leaves the previous checkpoint intact.
+A DeepSpeed run (``rlhf_core.distributed``) writes the same weights and JSON files but keeps its optimizer
+and schedule in ``deepspeed/`` (DeepSpeed's own per-process shards, pickled) instead of ``optimizer.*``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 LATEST = "latest"
+DEEPSPEED_DIR = "deepspeed"
+"""Sub-folder of a checkpoint written under DeepSpeed: each engine's ZeRO shards (optimizer, schedule)."""
 
 
 def flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -66,6 +70,27 @@ def _restore_global_rng(state: dict[str, Any], rng_tensors: dict[str, torch.Tens
     torch.set_rng_state(rng_tensors["torch_global"])
 
 
+class TrainableView(nn.Module):
+    """The trainable parameters of a module (the same tensors, not copies) as a module of their own.
+
+    What a checkpoint stores of a model whose frozen weights are the run's starting point (a LoRA adapter over
+    the SFT model): the adapter, not the base. Loading into the view writes into the live parameters.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                self.register_parameter(name.replace(".", "/"), param)
+
+
+def trainable_view(module: nn.Module) -> nn.Module:
+    """``module`` itself when every parameter trains (full fine-tuning), else its :class:`TrainableView`."""
+    if all(p.requires_grad for p in module.parameters()):
+        return module
+    return TrainableView(module)
+
+
 def _write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=1, sort_keys=True))
 
@@ -93,8 +118,19 @@ def save_checkpoint(
     opt_tensors, opt_meta = flatten_optimizer(optimizer.state_dict())
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     _write_json(tmp / "optimizer.json", opt_meta)
-    save_file({"generator": generator.get_state(), "torch_global": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    _write_json(tmp / "state.json", {**state, "step": step, "python_rng": _python_rng_state(), "numpy_rng": _numpy_rng_state()})
+    write_run_state(tmp, step, generator, state)
+    return publish(root, tmp, final.name, keep)
+
+
+def write_run_state(folder: Path, step: int, generator: torch.Generator, state: dict[str, Any]) -> None:
+    """``rng.safetensors`` (the run's generator, torch's global RNG) and ``state.json`` (``state``, step, RNGs)."""
+    save_file({"generator": generator.get_state(), "torch_global": torch.get_rng_state()}, str(folder / "rng.safetensors"))
+    _write_json(folder / "state.json", {**state, "step": step, "python_rng": _python_rng_state(), "numpy_rng": _numpy_rng_state()})
+
+
+def publish(root: Path, tmp: Path, name: str, keep: int) -> Path:
+    """Move the complete folder ``tmp`` to ``root/name``, point ``latest`` at it, keep the newest ``keep``."""
+    final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -140,8 +176,26 @@ def load_checkpoint(
         if not file.exists():
             raise FileNotFoundError(f"checkpoint {path} has no {file.name}; it was saved with other model roles")
         load_model(module, str(file))
+    if not (path / "optimizer.json").exists() and (path / DEEPSPEED_DIR).is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {path} was written by a DeepSpeed run (its optimizer state is in {DEEPSPEED_DIR}/, sharded "
+            "per process): resume it with the same distributed settings, or delete the checkpoints to start over"
+        )
     meta = json.loads((path / "optimizer.json").read_text())
     optimizer.load_state_dict(unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta))
+    return read_run_state(path, generator)
+
+
+def load_weights(path: str | os.PathLike[str], modules: dict[str, nn.Module]) -> dict[str, Any]:
+    """Only the weights of a checkpoint (whichever strategy wrote it) into ``modules``; return its JSON state."""
+    path = Path(path)
+    for stem, module in modules.items():
+        load_model(module, str(path / f"{stem}.safetensors"))
+    return json.loads((path / "state.json").read_text())
+
+
+def read_run_state(path: Path, generator: torch.Generator) -> dict[str, Any]:
+    """Restore the generator and the global RNGs written by :func:`write_run_state`; return the JSON state."""
     rng = load_file(str(path / "rng.safetensors"))
     generator.set_state(rng["generator"])
     state = json.loads((path / "state.json").read_text())

@@ -6,7 +6,7 @@ Everything here runs without gradients; the results are constants for the PPO up
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -16,6 +16,7 @@ from rlhf_core.advantages import gae, sequence_advantages, whiten_advantages
 from rlhf_core.config import PPOConfig
 from rlhf_core.kl import kl_estimate
 from rlhf_core.masking import masked_mean, masked_sum
+from rlhf_core.memory import autocast
 from rlhf_core.models import Critic, ValueHead, critic_forward, policy_forward
 from rlhf_core.rewards import RunningMoments, shape_scores, token_rewards
 from rlhf_core.rollout import Rollout, generate_in_batches
@@ -48,6 +49,12 @@ class PPOModels:
         """Trainable parameters of the value model."""
         module = self.value_head if self.value_head is not None else self.critic
         return [p for p in module.parameters() if p.requires_grad]
+
+
+GatherScored = Callable[
+    [Rollout, tuple[torch.Tensor, ...], torch.Tensor], tuple[Rollout, tuple[torch.Tensor, ...], torch.Tensor]
+]
+"""(rollout, per-token tensors, scores) of this rank -> the same for the whole batch (rlhf_core.strategy)."""
 
 
 @dataclass
@@ -95,18 +102,28 @@ def collect_experience(
     beta: float,
     generator: torch.Generator,
     moments: RunningMoments,
+    gather: GatherScored | None = None,
 ) -> tuple[Experience, RolloutStats, float, float]:
-    """Generate and score one rollout batch. Returns (experience, stats, generation s, scoring s)."""
+    """Generate and score one rollout batch. Returns (experience, stats, generation s, scoring s).
+
+    Old and reference log-probs and values run under ``config.autocast``, the precision of the training
+    forward, so the first mini-batch's ratio is 1. ``gather`` (data-parallel) joins every rank's scored
+    share into the whole batch before rewards and advantages, which are whitened over the whole batch.
+    """
     device = next(models.policy.parameters()).device
     started = time.monotonic()
     rollouts = list(generate_in_batches(models.policy, prompts, config.generation, models.stop_token_ids,
                                         models.pad_token_id, generator))
     rollout = concat_rollouts(rollouts, models.pad_token_id)
     generated = time.monotonic()
-    old_logprobs, ref_logprobs, old_values = old_policy_outputs(
-        models, rollout, config.generation.temperature, config.micro_batch_size
-    )
+    with autocast(config.autocast, device):
+        old_logprobs, ref_logprobs, old_values = old_policy_outputs(
+            models, rollout, config.generation.temperature, config.micro_batch_size
+        )
     raw_scores = models.scorer(rollout).to(device).float()
+    if gather is not None:
+        rollout, (old_logprobs, ref_logprobs, old_values), raw_scores = gather(
+            rollout, (old_logprobs, ref_logprobs, old_values), raw_scores)
     scored = time.monotonic()
     experience, stats = build_experience(rollout, old_logprobs, ref_logprobs, old_values, raw_scores, config, beta, moments)
     return experience, stats, generated - started, scored - generated

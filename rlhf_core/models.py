@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhf_core.masking import entropy_from_logits, last_token_index, logprobs_from_logits
-from rlhf_core.rollout import positions_from_mask
+from rlhf_core.packing import padded_forward
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -74,9 +74,7 @@ def split_classifier(model: PreTrainedModel) -> tuple[nn.Module, nn.Linear]:
 def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Score head applied at every position of a sequence classifier. (B, T), (B, T) -> (B, T)."""
     backbone, head = split_classifier(model)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
-    ).last_hidden_state  # (B, T, H)
+    hidden = padded_forward(backbone, input_ids, attention_mask).last_hidden_state  # (B, T, H), padding skipped
     return head(hidden).squeeze(-1).float()
 
 
@@ -152,12 +150,7 @@ def policy_forward(
 
     input_ids, attention_mask: (B, Tq + Tr); the response is ``input_ids[:, query_len:]``.
     """
-    out = policy(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions_from_mask(attention_mask),
-        output_hidden_states=value_head is not None,
-    )
+    out = padded_forward(policy, input_ids, attention_mask, output_hidden_states=value_head is not None)
     logits = response_slice(out.logits, query_len)  # (B, Tr, V)
     logprobs = logprobs_from_logits(logits, input_ids[:, query_len:], temperature)
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None

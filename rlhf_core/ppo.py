@@ -6,20 +6,33 @@ Reads top to bottom like the algorithm: :func:`ppo_step` = :func:`collect_experi
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.experience import Experience, PPOModels, collect_experience
 from rlhf_core.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
+from rlhf_core.lora import AdapterDisabled
 from rlhf_core.losses import policy_loss, ppo_objective, value_loss
 from rlhf_core.masking import masked_mean, masked_var
+from rlhf_core.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models import critic_forward, policy_forward
 from rlhf_core.rewards import RunningMoments
 from rlhf_core.stats import PPOStats, TimeStats, UpdateStats
+from rlhf_core.strategy import (
+    LocalStrategy,
+    Strategy,
+    StrategyFactory,
+    TrainableGroup,
+    gather_scored_rollouts,
+    local_optimizer,
+    local_strategy,
+    shard,
+)
 
 
 @dataclass
@@ -39,18 +52,17 @@ def make_kl_controller(config: PPOConfig) -> KLController:
     return FixedKLController(config.kl.coef)
 
 
-def make_optimizer(
-    models: PPOModels, config: PPOConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with two parameter groups (policy, value model) and a constant or linear schedule."""
-    policy_params = [p for p in models.policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": policy_params, "lr": config.learning_rate},
-            {"params": models.value_parameters(), "lr": config.value_learning_rate},
-        ],
-        weight_decay=config.weight_decay,
-    )
+def trainable_groups(models: PPOModels, config: PPOConfig) -> list[TrainableGroup]:
+    """The two trained models, policy first: each gets its own learning rate and gradient-norm clip."""
+    value = models.value_head if models.value_head is not None else models.critic
+    return [
+        TrainableGroup(models.policy, [p for p in models.policy.parameters() if p.requires_grad], config.learning_rate),
+        TrainableGroup(value, models.value_parameters(), config.value_learning_rate),
+    ]
+
+
+def lr_lambda(config: PPOConfig) -> Callable[[int], float]:
+    """Learning-rate factor per optimizer step: linear warm-up, then constant or linear decay to 0."""
     minibatches = config.rollout_batch_size // config.mini_batch_size
     total = max(1, config.total_updates * config.ppo_epochs * minibatches)
     warmup = config.warmup_steps
@@ -62,69 +74,153 @@ def make_optimizer(
             return max(0.0, 1.0 - (step - warmup) / max(1, total - warmup))
         return 1.0
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
+
+
+def make_optimizer(
+    models: PPOModels, config: PPOConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with two parameter groups (policy, value model) and a constant or linear schedule."""
+    return local_optimizer(trainable_groups(models, config), config.weight_decay, lr_lambda(config))
+
+
+def prepare_training(
+    models: PPOModels, config: PPOConfig, make_strategy: StrategyFactory | None = None
+) -> tuple[PPOModels, Strategy]:
+    """The strategy that trains ``models`` (default: AdamW in this process) and the models to train with.
+
+    Under DeepSpeed the returned policy and value model are the engines wrapping the given ones (training
+    forwards must go through them); in one process they are the given modules.
+    """
+    factory = make_strategy or local_strategy
+    strategy = factory(trainable_groups(models, config), config.weight_decay, config.max_grad_norm, lr_lambda(config))
+    policy, value = strategy.modules
+    return _with_trained(models, policy, value), strategy
+
+
+def _with_trained(models: PPOModels, policy: torch.nn.Module, value: torch.nn.Module) -> PPOModels:
+    """``models`` with another policy and value model (engines, or rollout copies of them)."""
+    if models.value_head is not None:
+        return replace(models, policy=policy, value_head=value)
+    return replace(models, policy=policy, critic=value)
 
 
 def ppo_step(
     models: PPOModels,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     state: PPOState,
     prompts: Sequence[Sequence[int]],
     config: PPOConfig,
+    strategy: Strategy | None = None,
 ) -> PPOStats:
-    """One PPO iteration on a batch of tokenized prompts (``config.rollout_batch_size`` of them)."""
+    """One PPO iteration on a batch of tokenized prompts (``config.rollout_batch_size`` of them).
+
+    ``strategy`` applies the gradients instead of ``optimizer`` / ``scheduler`` (see :func:`prepare_training`).
+    Data-parallel, every rank passes the same prompts, generates and scores its contiguous share with its own
+    sampling generator, and then holds the whole scored batch (advantages are whitened over all of it).
+    """
     if len(prompts) != config.rollout_batch_size:
         raise ValueError(f"ppo_step got {len(prompts)} prompts; ppo.rollout_batch_size is {config.rollout_batch_size}")
+    strategy = _local_if_none(strategy, optimizer, scheduler, config)
     beta = state.kl_controller.value
-    experience, rollout_stats, t_gen, t_score = collect_experience(
-        models, prompts, config, beta, state.generator, state.score_moments
-    )
+    gather = None
+    if strategy.world_size > 1:
+        gather = functools.partial(gather_scored_rollouts, strategy.all_gather, models.pad_token_id)
+    trained_value = models.value_head if models.value_head is not None else models.critic
+    # Rollouts run on modules that need no other rank (ZeRO-3: full copies for the phase; else the same modules).
+    with strategy.inference(models.policy) as policy, strategy.inference(trained_value) as value:
+        experience, rollout_stats, t_gen, t_score = collect_experience(
+            _with_trained(models, policy, value), shard(prompts, strategy.rank, strategy.world_size, "rollout batch"),
+            config, beta, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
+        )
     started = time.monotonic()
-    update_stats = ppo_update(models, optimizer, scheduler, experience, config, beta, state.generator)
+    update_stats = ppo_update(models, optimizer, scheduler, experience, config, beta, state.generator, strategy)
     t_train = time.monotonic() - started
     state.kl_controller.update(rollout_stats.kl_mean, config.rollout_batch_size)
     state.step += 1
     if config.ref_refresh_every and state.step % config.ref_refresh_every == 0:
-        models.reference.load_state_dict(models.policy.state_dict())
+        refresh_reference(models, optimizer, state.step, strategy)
     return PPOStats(state.step, rollout_stats, update_stats, TimeStats(t_gen, t_score, t_train))
+
+
+def refresh_reference(
+    models: PPOModels, optimizer: torch.optim.Optimizer | None, step: int, strategy: Strategy | None = None
+) -> None:
+    """The reference becomes the current policy: a weight copy, or with LoRA (reference = adapter disabled)
+    the adapter merged into the shared base weights and restarted."""
+    if isinstance(models.reference, AdapterDisabled):
+        if optimizer is None:
+            raise ValueError("a LoRA reference refresh restarts the adapter's torch optimizer moments, which "
+                             "DeepSpeed keeps to itself: set ppo.ref_refresh_every=0 or train in one process")
+        models.reference.refresh(optimizer, seed=step)
+    else:
+        state = strategy.full_state_dict(models.policy) if strategy is not None else models.policy.state_dict()
+        models.reference.load_state_dict(state)
+
+
+def _local_if_none(
+    strategy: Strategy | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    config: PPOConfig,
+) -> Strategy:
+    if strategy is not None:
+        return strategy
+    if optimizer is None:
+        raise ValueError("PPO needs an optimizer (and scheduler) or a strategy to apply its gradients")
+    return LocalStrategy(optimizer, scheduler, config.max_grad_norm)
 
 
 def ppo_update(
     models: PPOModels,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     experience: Experience,
     config: PPOConfig,
     beta: float,
     generator: torch.Generator,
+    strategy: Strategy | None = None,
 ) -> UpdateStats:
-    """``ppo_epochs`` shuffled passes of mini-batches; each mini-batch accumulates micro-batch gradients."""
+    """``ppo_epochs`` shuffled passes of mini-batches; each mini-batch accumulates micro-batch gradients.
+
+    Data-parallel, each rank runs the micro-batches of its contiguous share of every mini-batch (the same
+    micro-batches one process would run, split between ranks) and the strategy averages the gradients.
+    """
+    strategy = _local_if_none(strategy, optimizer, scheduler, config)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(models.policy)
+        if models.critic is not None:
+            enable_gradient_checkpointing(models.critic)
     batch = experience.rollout.query_ids.shape[0]
-    accumulation = config.mini_batch_size // config.micro_batch_size
+    per_rank = config.mini_batch_size // strategy.world_size
+    if config.mini_batch_size % (config.micro_batch_size * strategy.world_size):
+        raise ValueError(f"ppo.mini_batch_size ({config.mini_batch_size}) must be a multiple of ppo.micro_batch_size "
+                         f"x processes ({config.micro_batch_size} x {strategy.world_size})")
+    accumulation = per_rank // config.micro_batch_size
+    device = experience.old_logprobs.device
     totals: dict[str, float] = {}
     n_minibatches = 0
     for _ in range(config.ppo_epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, config.mini_batch_size):
-            mini = order[start : start + config.mini_batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            for micro_start in range(0, config.mini_batch_size, config.micro_batch_size):
-                micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(experience.old_logprobs.device))
-                loss, parts = micro_batch_loss(models, micro, config, beta)
-                (loss / accumulation).backward()
+            mini = shard(order[start : start + config.mini_batch_size], strategy.rank, strategy.world_size)
+            strategy.zero_grad()
+            for micro_start in range(0, per_rank, config.micro_batch_size):
+                micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(device))
+                with autocast(config.autocast, device):
+                    loss, parts = micro_batch_loss(models, micro, config, beta)
+                strategy.backward(loss / accumulation)
                 _accumulate(totals, parts, 1.0 / accumulation)
-            policy_norm = torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], config.max_grad_norm)
-            value_norm = torch.nn.utils.clip_grad_norm_(optimizer.param_groups[1]["params"], config.max_grad_norm)
-            _accumulate(totals, {"policy_grad_norm": float(policy_norm), "value_grad_norm": float(value_norm)}, 1.0)
-            optimizer.step()
-            scheduler.step()
+            policy_norm, value_norm = strategy.step()
+            _accumulate(totals, {"policy_grad_norm": policy_norm, "value_grad_norm": value_norm}, 1.0)
             n_minibatches += 1
-    means = {k: v / n_minibatches for k, v in totals.items()}
+    # Each rank holds the mean over its share; the sum over ranks / ranks is the mean over the mini-batch.
+    means = {k: v / (n_minibatches * strategy.world_size) for k, v in strategy.all_sum(totals).items()}
     return UpdateStats(
         **means,
         explained_variance=explained_variance(experience.old_values, experience.returns, experience.rollout.response_mask),
-        learning_rate=float(optimizer.param_groups[0]["lr"]),
+        learning_rate=strategy.learning_rate(),
     )
 
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from rlhf_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf_core.checkpoint import latest_checkpoint, load_weights, trainable_view
 from rlhf_core.config import PPOConfig
 from rlhf_core.experience import PPOModels
-from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.ppo import PPOState, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.sampler import PromptSampler
 from rlhf_core.stats import PPOStats
+from rlhf_core.strategy import LocalStrategy, StrategyFactory
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,16 @@ class PPORunResult:
 
 
 def _modules(models: PPOModels, config: PPOConfig) -> dict[str, torch.nn.Module]:
+    """What a checkpoint stores per role. Under LoRA only the adapter and heads (the frozen base weights are the
+    models the run starts from), except that reference refreshes merge the adapter into the policy's base, so
+    then the whole policy is stored. A reference with no weights of its own (adapter disabled) stores nothing."""
+    value = models.value_head if models.value_head is not None else models.critic
+    refreshes = bool(config.ref_refresh_every)
     modules: dict[str, torch.nn.Module] = {
-        "policy": models.policy,
-        "value": models.value_head if models.value_head is not None else models.critic,
+        "policy": models.policy if refreshes else trainable_view(models.policy),
+        "value": trainable_view(value),
     }
-    if config.ref_refresh_every:
+    if refreshes and any(True for _ in models.reference.parameters()):
         modules["reference"] = models.reference
     return modules
 
@@ -49,6 +55,7 @@ def train_ppo(
     checkpoint_every: int = 0,
     on_step: Callable[[PPOStats], None] | None = None,
     init_from: str | os.PathLike[str] | None = None,
+    make_strategy: StrategyFactory | None = None,
 ) -> PPORunResult:
     """Run PPO until ``n_updates`` steps are done, resuming from ``checkpoint_dir/latest`` if present.
 
@@ -60,8 +67,13 @@ def train_ppo(
     metrics as an uninterrupted one (same seed, same device), because the optimizer, scheduler, KL
     controller, score statistics, sampler cursor and every RNG are restored. With a ``checkpoint_dir``
     the last step is always checkpointed, whatever ``checkpoint_every`` says.
+
+    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.DeepSpeedFactory``: ZeRO over
+    several processes, each calling ``train_ppo`` with the same arguments); None = AdamW in this process.
     """
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config, make_strategy)
+    # A LoRA reference refresh restarts the adapter's moments in the torch optimizer (one process only).
+    optimizer = strategy.optimizer if isinstance(strategy, LocalStrategy) else None
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
     sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
     result = PPORunResult()
@@ -70,50 +82,50 @@ def train_ppo(
     if found is None and init_from is not None:
         found, verb = Path(init_from), "continuing"
     if found is not None:
-        saved = load_checkpoint(found, _modules(models, config), optimizer, state.generator)
-        _restore(saved, state, sampler, scheduler, result)
+        saved = strategy.load_checkpoint(found, _modules(models, config), state.generator)
+        _restore(saved, state, sampler, result)
         log.info("%s PPO from %s (step %d)", verb, found, state.step)
     started, first_step = time.monotonic(), state.step
     while state.step < n_updates:
         batch = [prompts[i] for i in sampler.next_batch()]
-        stats = ppo_step(models, optimizer, scheduler, state, batch, config)
+        stats = ppo_step(models, optimizer, None, state, batch, config, strategy)
         result.history.append(stats.to_metrics())
         if on_step is not None:
             on_step(stats)
-        _log_progress(state.step, n_updates, first_step, started, stats)
+        if strategy.rank == 0:
+            _log_progress(state.step, n_updates, first_step, started, stats)
         periodic = checkpoint_every > 0 and state.step % checkpoint_every == 0
         if checkpoint_dir is not None and (periodic or state.step == n_updates):
-            save_checkpoint(
-                checkpoint_dir, state.step, _modules(models, config), optimizer, state.generator,
-                _snapshot(state, sampler, scheduler, result),
+            strategy.save_checkpoint(
+                checkpoint_dir, state.step, _modules(models, config), state.generator,
+                _snapshot(state, sampler, result),
             )
     return result
 
 
-def _snapshot(
-    state: PPOState, sampler: PromptSampler, scheduler: torch.optim.lr_scheduler.LRScheduler, result: PPORunResult
+def load_checkpoint_weights(
+    models: PPOModels, config: PPOConfig, path: str | os.PathLike[str]
 ) -> dict[str, Any]:
+    """The trained weights of a :func:`train_ppo` checkpoint into ``models`` (no optimizer or RNGs: to use the
+    result elsewhere, e.g. after DeepSpeed workers trained it); returns its JSON state (``history`` ...)."""
+    return load_weights(path, _modules(models, config))
+
+
+def _snapshot(state: PPOState, sampler: PromptSampler, result: PPORunResult) -> dict[str, Any]:
+    """The loop's JSON state; the strategy adds its LR schedule (and writes the optimizer) when saving."""
     return {
         "kl_controller": state.kl_controller.state_dict(),
         "score_moments": state.score_moments.state_dict(),
         "sampler": sampler.state_dict(),
-        "scheduler": scheduler.state_dict(),
         "history": result.history,
     }
 
 
-def _restore(
-    saved: dict[str, Any],
-    state: PPOState,
-    sampler: PromptSampler,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    result: PPORunResult,
-) -> None:
+def _restore(saved: dict[str, Any], state: PPOState, sampler: PromptSampler, result: PPORunResult) -> None:
     state.step = int(saved["step"])
     state.kl_controller.load_state_dict(saved["kl_controller"])
     state.score_moments.load_state_dict(saved["score_moments"])
     sampler.load_state_dict(saved["sampler"])
-    scheduler.load_state_dict(saved["scheduler"])
     result.history = list(saved["history"])
     result.resumed_from_step = state.step
 

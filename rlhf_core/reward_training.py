@@ -10,11 +10,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.lora import add_training_adapter, merge_adapter
 from rlhf_core.losses import bradley_terry_loss
+from rlhf_core.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models import disable_dropout, sequence_scores
+from rlhf_core.strategy import Strategy, StrategyFactory, TrainableGroup, local_strategy, weighted_shard
 from rlhf_core.text import encode_pair, keep_tail, pad_id, right_pad
 
 log = logging.getLogger(__name__)
@@ -86,13 +90,29 @@ class RewardTrainingResult:
         return self.evals[-1][1] if self.evals else None
 
 
+class SequenceScorer(nn.Module):
+    """:func:`~rlhf_core.models.sequence_scores` of a reward model as a module of its own.
+
+    The training forward goes through this module so that a training engine (DeepSpeed) can wrap all of it;
+    it holds no weights of its own.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T), (B, T) -> (B,) scores at each row's last real token."""
+        return sequence_scores(self.model, input_ids, attention_mask)
+
+
 def _pair_scores(
-    model: PreTrainedModel, chosen: list[list[int]], rejected: list[list[int]], pad: int
+    scorer: nn.Module, chosen: list[list[int]], rejected: list[list[int]], pad: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of both sides in one forward pass. -> ((B,), (B,))."""
-    device = next(model.parameters()).device
+    """Scores of both sides in one forward pass of a :class:`SequenceScorer` (or its engine). -> ((B,), (B,))."""
+    device = next(scorer.parameters()).device
     ids, mask = right_pad(chosen + rejected, pad)  # (2B, T)
-    scores = sequence_scores(model, ids.to(device), mask.to(device))
+    scores = scorer(ids.to(device), mask.to(device))
     return scores[: len(chosen)], scores[len(chosen) :]
 
 
@@ -105,10 +125,10 @@ def evaluate_reward_model(
         raise ValueError("evaluate_reward_model got no pairs; the held-out split is empty")
     was_training = model.training
     model.eval()
-    chosen_all, rejected_all = [], []
+    chosen_all, rejected_all, scorer = [], [], SequenceScorer(model)
     for start in range(0, len(encoded.chosen), batch_size):
         c, r = _pair_scores(
-            model, encoded.chosen[start : start + batch_size], encoded.rejected[start : start + batch_size], pad_id(tokenizer)
+            scorer, encoded.chosen[start : start + batch_size], encoded.rejected[start : start + batch_size], pad_id(tokenizer)
         )
         chosen_all.append(c)
         rejected_all.append(r)
@@ -134,20 +154,30 @@ def train_reward_model(
     config: RewardTrainingConfig,
     on_log: Callable[[int, dict[str, float]], None] | None = None,
     eval_every: int = 0,
+    make_strategy: StrategyFactory | None = None,
 ) -> RewardTrainingResult:
     """Train ``model`` in place with the Bradley-Terry loss; evaluate every ``eval_every`` steps and at the end.
 
-    ``on_log(step, metrics)`` receives ``rm/train/loss``, ``rm/train/accuracy`` each step and
+    ``on_log(step, metrics)`` receives ``rm/train/loss``, ``rm/train/accuracy``, ``rm/train/grad_norm`` (before
+    clipping) each step and
     ``rm/eval/*`` at each evaluation, so the caller can print progress and log to a tracker.
+    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.DeepSpeedFactory``: ZeRO over
+    several processes, each passing the same pairs and training on its share of every batch); None = AdamW here.
     """
     if not train_pairs:
         raise ValueError("train_reward_model got no training pairs")
     started = time.monotonic()
     torch.manual_seed(config.seed)
     disable_dropout(model).train()
+    adapter = add_training_adapter(model, config.lora, config.seed) if config.lora.enabled else None
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     train = encode_pairs(tokenizer, train_pairs, config.max_length)
     held_out = encode_pairs(tokenizer, eval_pairs, config.max_length) if eval_pairs else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    group = TrainableGroup(SequenceScorer(model), trainable, config.learning_rate)
+    strategy = (make_strategy or local_strategy)([group], config.weight_decay, config.max_grad_norm)
+    (scorer,) = strategy.modules
     result = RewardTrainingResult(n_truncated=train.n_truncated)
     order = list(range(len(train.chosen)))
     rng = random.Random(config.seed)
@@ -155,49 +185,60 @@ def train_reward_model(
     for _ in range(config.epochs):
         rng.shuffle(order)
         for start in range(0, len(order), config.batch_size):
-            metrics = _train_step(model, tokenizer, train, order[start : start + config.batch_size], optimizer, config)
+            metrics = _train_step(scorer, tokenizer, train, order[start : start + config.batch_size], strategy, config)
             step += 1
             result.train_loss.append(metrics["rm/train/loss"])
             result.train_accuracy.append(metrics["rm/train/accuracy"])
             if eval_every and held_out is not None and step % eval_every == 0:
-                metrics.update(_record_eval(model, tokenizer, held_out, step, result))
+                metrics.update(_record_eval(model, tokenizer, held_out, step, result, config))
             if on_log is not None:
                 on_log(step, metrics)
     if held_out is not None and (not result.evals or result.evals[-1][0] != step):
-        final = _record_eval(model, tokenizer, held_out, step, result)
+        final = _record_eval(model, tokenizer, held_out, step, result, config)
         if on_log is not None:
             on_log(step, final)
+    if adapter is not None:
+        merge_adapter(adapter)  # a plain classifier again, which the caller saves and scores as before
     model.eval()
     result.seconds = time.monotonic() - started
     return result
 
 
 def _train_step(
-    model: PreTrainedModel,
+    scorer: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     data: EncodedPairs,
     batch: list[int],
-    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
     config: RewardTrainingConfig,
 ) -> dict[str, float]:
-    chosen, rejected = _pair_scores(
-        model, [data.chosen[i] for i in batch], [data.rejected[i] for i in batch], pad_id(tokenizer)
-    )
-    margin = torch.tensor([data.margins[i] for i in batch], device=chosen.device) if config.use_margin else None
+    """One optimizer step on this rank's share of ``batch``; returns the loss and accuracy over all of it."""
+    mine, weight = weighted_shard(batch, strategy.rank, strategy.world_size)
+    with autocast(config.autocast, next(scorer.parameters()).device):
+        chosen, rejected = _pair_scores(
+            scorer, [data.chosen[i] for i in mine], [data.rejected[i] for i in mine], pad_id(tokenizer)
+        )
+    margin = torch.tensor([data.margins[i] for i in mine], device=chosen.device) if config.use_margin else None
     loss = bradley_terry_loss(chosen, rejected, margin)
     if config.center_rewards_coef is not None:
         loss = loss + config.center_rewards_coef * ((chosen + rejected) ** 2).mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    return {"rm/train/loss": float(loss.detach()), "rm/train/accuracy": float((chosen > rejected).float().mean())}
+    strategy.zero_grad()
+    strategy.backward(loss * weight)
+    (grad_norm,) = strategy.step()
+    n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing
+    correct = float((chosen > rejected).float().sum()) if n else 0.0
+    sums = strategy.all_sum({"loss": float(loss.detach()) * n, "correct": correct, "n": n})
+    return {"rm/train/loss": sums["loss"] / sums["n"], "rm/train/accuracy": sums["correct"] / sums["n"],
+            "rm/train/grad_norm": grad_norm}
 
 
 def _record_eval(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: EncodedPairs, step: int, result: RewardTrainingResult
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, held_out: EncodedPairs, step: int,
+    result: RewardTrainingResult, config: RewardTrainingConfig,
 ) -> dict[str, float]:
-    evaluation = evaluate_reward_model(model, tokenizer, held_out)
+    """Every rank evaluates all held-out pairs: the same forwards everywhere (ZeRO-3 gathers are collective)."""
+    with autocast(config.autocast, next(model.parameters()).device):
+        evaluation = evaluate_reward_model(model, tokenizer, held_out)
     result.evals.append((step, evaluation))
     log.info("reward model step %d: held-out accuracy %.3f, loss %.4f", step, evaluation.accuracy, evaluation.loss)
     return {f"rm/eval/{k}": float(v) for k, v in asdict(evaluation).items()}

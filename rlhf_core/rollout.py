@@ -87,6 +87,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V) -> (B,), by inverting the cumulative distribution.
+
+    Same distribution as ``torch.multinomial(probs, 1)``, which draws B x V exponentials per call (8% of
+    a small model's sampling time on CPU); this draws B uniforms. The CDF is summed in float64 so that
+    rounding never reaches a zero-probability token: ``right=True`` skips the flat steps they leave.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (B, V)
+    # Drawn where the generator lives (a CPU generator also serves a CUDA model, with the same numbers).
+    where = generator.device if generator is not None else probs.device
+    uniform = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=where).to(probs.device)
+    index = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)  # (B, 1)
+    return index.clamp(max=probs.shape[-1] - 1).squeeze(1)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -130,36 +145,38 @@ def _sample_loop(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The token-by-token loop (vectorised over the batch). Returns ids and log-probs, (B, Tr) each."""
     device = query_ids.device
-    attention = query_mask.long()
-    positions = positions_from_mask(attention)
-    out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    batch, query_len = query_ids.shape
+    # The mask of the whole rollout up front: finished rows keep feeding pad, whose tail is masked out
+    # afterwards, so attending to it is harmless. Step t passes the first query_len + t + 1 columns.
+    attention = torch.cat([query_mask.long(), query_mask.new_ones((batch, config.max_new_tokens)).long()], dim=1)
+    positions = positions_from_mask(attention[:, :query_len])
+    out = model(input_ids=query_ids, attention_mask=attention[:, :query_len], position_ids=positions, use_cache=True)
     past, next_logits = out.past_key_values, out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1  # (B, 1)
     stops = torch.as_tensor(list(stop_token_ids), device=device, dtype=torch.long)
-    done = torch.zeros(query_ids.shape[0], dtype=torch.bool, device=device)
-    tokens, logprobs = [], []
-    for _ in range(config.max_new_tokens):
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens = torch.full((batch, config.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, config.max_new_tokens), dtype=torch.float32, device=device)
+    for step in range(config.max_new_tokens):
         scaled = next_logits.float() / config.temperature  # (B, V)
         probs = filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        token = sample_tokens(probs, generator)  # (B,)
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
-        logprobs.append(F.log_softmax(scaled, dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))
-        tokens.append(token)
+        logprobs[:, step] = F.log_softmax(scaled, dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+        tokens[:, step] = token
         done = done | torch.isin(token, stops)
-        if bool(done.all()):
-            break
-        # Finished rows keep feeding pad; their tail is masked out afterwards, so attending to it is harmless.
-        attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
+        if bool(done.all()) or step + 1 == config.max_new_tokens:
+            return tokens[:, : step + 1], logprobs[:, : step + 1]
         out = model(
             input_ids=token.unsqueeze(1),
-            attention_mask=attention,
+            attention_mask=attention[:, : query_len + step + 1],
             position_ids=next_position,
             past_key_values=past,
             use_cache=True,
         )
         past, next_logits = out.past_key_values, out.logits[:, -1, :]
         next_position = next_position + 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+    raise AssertionError("unreachable: the loop returns at its last step")
 
 
 def generate_in_batches(

@@ -259,6 +259,49 @@ class TrackingSection:
 
 
 @dataclass(frozen=True)
+class DistributedSection:
+    """How the reward-model and ppo-iteration stages run their training (docs/scaling.md).
+
+    Without ``deepspeed_config`` they train in the stage's own process (CPU or one GPU). With it, the stage
+    writes a job file, starts ``num_processes`` x ``num_nodes`` workers with ``launcher``
+    (``python -m tasks.distributed_train --job ...``), follows their metrics into MLflow and continues with
+    the weights they trained: data-parallel DeepSpeed ZeRO, with the same stage code and the same results.
+    """
+
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON (e.g. infra/deepspeed/zero2.json, zero3_offload.json); None = train in the stage's process."""
+    num_processes: int = 1
+    """Worker processes per node: one per GPU."""
+    num_nodes: int = 1
+    """Nodes. 'deepspeed' starts every node listed in ``hostfile`` from here (ssh/pdsh); with 'torchrun' this
+    node is node 0 and each other node runs the command the stage logs (same job file on shared storage)."""
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    """Which launcher starts the workers."""
+    hostfile: str | None = None
+    """'deepspeed' launcher only: one 'hostname slots=N' line per node; None = this machine."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where rank 0 listens (another node's workers must reach it)."""
+    master_port: int = 29500
+    """Port of rank 0's rendezvous."""
+    stages: tuple[Literal["reward-model", "ppo-iteration"], ...] = ("reward-model", "ppo-iteration")
+    """Stages whose training runs this way (the others always run in their own process)."""
+
+    def __post_init__(self) -> None:
+        if self.num_processes < 1 or self.num_nodes < 1:
+            raise ValueError(f"distributed.num_processes and distributed.num_nodes must be >= 1, "
+                             f"got {self.num_processes}, {self.num_nodes}")
+        if self.deepspeed_config is None and self.num_processes * self.num_nodes > 1:
+            raise ValueError("distributed.num_processes / num_nodes > 1 need distributed.deepspeed_config "
+                             "(e.g. infra/deepspeed/zero2.json)")
+        if self.hostfile is not None and self.launcher != "deepspeed":
+            raise ValueError("distributed.hostfile is read only by distributed.launcher='deepspeed'")
+
+    def runs(self, stage: str) -> bool:
+        """True when ``stage`` launches its training on DeepSpeed workers."""
+        return self.deepspeed_config is not None and stage in self.stages
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """Every setting of one pipeline run."""
 
@@ -286,6 +329,8 @@ class PipelineConfig:
     """Reward-model refresh."""
     tracking: TrackingSection = field(default_factory=TrackingSection)
     """MLflow names."""
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    """In-process or DeepSpeed training for the reward-model and ppo-iteration stages."""
 
     def __post_init__(self) -> None:
         if self.refresh.enabled and self.refresh.annotator == "simulated" and self.data.source != "demo":
@@ -386,6 +431,11 @@ def _source(key: str, origins: Mapping[str, str]) -> str:
 
 def _bad(key: str, value: Any, origins: Mapping[str, str], why: str) -> ConfigError:
     return ConfigError(f"bad value {value!r} for '{key}' (from {_source(key, origins)}): {why}", why)
+
+
+def section_from_dict(cls: type, data: Mapping[str, Any], name: str = "") -> Any:
+    """One settings dataclass (e.g. ``RewardTrainingConfig``) from plain data, strictly (as ``load_config``)."""
+    return _build(cls, dict(data), name, {})
 
 
 def _build(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:

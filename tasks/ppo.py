@@ -19,15 +19,15 @@ from prefect import task
 from safetensors.torch import save_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf_core.checkpoint import latest_checkpoint
+from rlhf_core.checkpoint import latest_checkpoint, trainable_view
 from rlhf_core.experience import PPOModels
+from rlhf_core.lora import LoRACritic, lora_policy, plain_model
 from rlhf_core.models import Critic, ValueHead, load_policy, load_reward_model, make_reference
-from rlhf_core.ppo_loop import train_ppo
 from rlhf_core.rollout import generate, left_pad
 from rlhf_core.scoring import RewardModelScorer, decode_rollout
-from rlhf_core.stats import PPOStats
 from rlhf_core.text import encode_prompt, pad_id
 from tasks.config import PipelineConfig, flatten_for_params
+from tasks.launch import run_ppo_training
 from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write_dir, read_frame, write_frame, write_json
 from tasks.plots import save_figure, training_curves
@@ -78,17 +78,25 @@ def load_prompts(path: str, tokenizer: PreTrainedTokenizerBase, max_prompt_token
 
 
 def build_models(config: PipelineConfig, reference_dir: str, reward_dir: str, tokenizer: PreTrainedTokenizerBase) -> PPOModels:
-    """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model."""
-    device, dtype = device_of(config), dtype_of(config)
+    """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model.
+
+    With ``ppo.ppo.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
+    model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
+    of base weights instead of four.
+    """
+    device, dtype, lora = device_of(config), dtype_of(config), config.ppo.ppo.lora
     policy = load_policy(reference_dir, dtype).to(device)
+    hidden_size = policy.config.hidden_size
     reward_model = load_reward_model(reward_dir, dtype).to(device)
     rm_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
     scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.ppo.ppo.micro_batch_size)
-    common = dict(policy=policy, reference=make_reference(policy), scorer=scorer,
+    policy, reference = lora_policy(policy, lora, config.seed) if lora.enabled else (policy, make_reference(policy))
+    common = dict(policy=policy, reference=reference, scorer=scorer,
                   stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
     if config.ppo.ppo.value_model == "critic":
-        return PPOModels(**common, critic=Critic(reward_model).to(device))
-    return PPOModels(**common, value_head=ValueHead(policy.config.hidden_size, seed=config.seed).to(device))
+        critic = LoRACritic(reward_model, lora, config.seed) if lora.enabled else Critic(reward_model)
+        return PPOModels(**common, critic=critic.to(device))
+    return PPOModels(**common, value_head=ValueHead(hidden_size, seed=config.seed).to(device))
 
 
 def run_ppo_iteration(
@@ -120,13 +128,14 @@ def run_ppo_iteration(
         log_params_flat({k: v for k, v in flatten_for_params(config).items() if k.startswith("ppo.")} |
                         {"iteration": iteration, "reference_uri": reference_uri, "reward_model_uri": reward_model_uri})
 
-        def on_step(stats: PPOStats) -> None:
-            metrics = stats.to_metrics()
-            log_metrics(metrics, step=stats.step, run_id=run_id)
-            log_metrics({k: metrics[k] for k in CURVE_KEYS}, step=stats.step, run_id=parent_run_id)
+        def on_log(step: int, metrics: dict[str, float]) -> None:
+            log_metrics(metrics, step=step, run_id=run_id)
+            log_metrics({k: metrics[k] for k in CURVE_KEYS}, step=step, run_id=parent_run_id)
 
-        result = train_ppo(models, prompts, section.ppo, target_steps, checkpoint_dir=here / "checkpoints",
-                           checkpoint_every=section.checkpoint_every, on_step=on_step, init_from=init_checkpoint)
+        # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/launch.py).
+        result = run_ppo_training(config, models, prompts, target_steps, here / "checkpoints", section.checkpoint_every,
+                                  on_log, init_checkpoint, {"reference_dir": reference_dir, "reward_dir": reward_dir,
+                                                            "prompts_file": ppo_prompts}, here / "distributed")
         policy_dir = atomic_write_dir(here / "policy", lambda tmp: _save_policy(models, tokenizer, tmp))
         ref = register_model_dir(policy_dir, config.tracking.policy_model, run_id)
         samples = _write_samples(models, tokenizer, prompts, config, here / "samples.parquet")
@@ -140,10 +149,12 @@ def run_ppo_iteration(
 
 
 def _save_policy(models: PPOModels, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    models.policy.save_pretrained(folder)
+    """A plain Hugging Face policy (a LoRA adapter is merged into a copy of the weights) + the value model's
+    trained weights (a LoRA critic: its adapter and head; the base is the proxy reward model)."""
+    plain_model(models.policy).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     value = models.value_head if models.value_head is not None else models.critic
-    save_model(value, str(folder / "value_model.safetensors"))
+    save_model(trainable_view(value), str(folder / "value_model.safetensors"))
 
 
 @torch.no_grad()

@@ -32,9 +32,10 @@ from rlhf_core.data import PREFERENCE_PAIRS
 from rlhf_core.evaluation import spearman
 from rlhf_core.lm import build_reward_model, config_for_tokenizer
 from rlhf_core.models import load_reward_model, sequence_scores
-from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs, train_reward_model
+from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
 from rlhf_core.text import pad_id, right_pad
 from tasks.config import PipelineConfig, flatten_for_params
+from tasks.launch import fit_reward_model
 from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write_dir, read_parquet, write_json
 from tasks.plots import loss_curve, save_figure, score_histograms
@@ -112,9 +113,9 @@ def run_reward_model(config: PipelineConfig, train_pairs: str, heldout_pairs: st
     with stage_run(STAGE, parent_run_id, params=params) as run:
         run_id = run.info.run_id
         proxy = _fit("proxy", _init_model(config, init_dir, tokenizer, section.training.seed), tokenizer,
-                     train, heldout, section.training, run_id)
+                     train, heldout, section.training, run_id, config, out / "distributed" / "proxy")
         held = _fit("heldout", _init_model(config, init_dir, tokenizer, section.heldout.seed), tokenizer,
-                    heldout, cross_sample, section.heldout, run_id)
+                    heldout, cross_sample, section.heldout, run_id, config, out / "distributed" / "heldout")
         cross, proxy_scores = _cross_metrics(proxy.model, held.model, tokenizer, heldout, section.training.max_length)
         metrics = {**proxy.metrics, **held.metrics, **cross}
         log_metrics(cross, run_id=run_id)  # each model's eval and train metrics went in at its own steps
@@ -235,13 +236,18 @@ class _StepLogger:
 
 
 def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
-         evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig, run_id: str) -> _Fitted:
-    """Train one reward model, log its curve under ``rm/<role>/``, and return its final metrics."""
+         evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig, run_id: str, config: PipelineConfig,
+         workdir: Path) -> _Fitted:
+    """Train one reward model, log its curve under ``rm/<role>/``, and return its final metrics.
+
+    Training runs in this process, or on DeepSpeed workers when ``distributed.deepspeed_config`` is set
+    (tasks/launch.py; ``workdir`` holds their job files).
+    """
     steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
     log.info("reward-model %s: %d train pairs, %d eval pairs, %d steps", role, len(train), len(evaluate_on), steps)
     on_log = _StepLogger(role, run_id)
-    history = train_reward_model(model, tokenizer, train, evaluate_on, cfg, on_log=on_log,
-                                 eval_every=max(1, steps // EVALS_PER_TRAINING))
+    history = fit_reward_model(config, model, tokenizer, train, evaluate_on, cfg, on_log,
+                               max(1, steps // EVALS_PER_TRAINING), workdir)
     on_log.flush()
     final = history.final_eval
     metrics = {f"rm/{role}/eval/{k}": float(v) for k, v in asdict(final).items()}

@@ -39,7 +39,9 @@ def test_preset_values_reach_the_dataclasses() -> None:
     assert (tiny.ppo.iterations, tiny.ppo.updates_per_iteration, tiny.ppo.ppo.rollout_batch_size) == (2, 2, 8)
     gpu = load_config(None, "gpu-7b", [])
     assert gpu.dtype == "bfloat16" and gpu.ppo.ppo.value_model == "critic"
-    assert gpu.ppo.ppo.learning_rate == 1e-6 and gpu.sft.base_model and gpu.data.files
+    assert gpu.ppo.ppo.learning_rate == 1e-5 and gpu.sft.base_model and gpu.data.files
+    assert gpu.ppo.ppo.gradient_checkpointing and gpu.ppo.ppo.autocast == "bf16" and gpu.ppo.ppo.lora.enabled
+    assert gpu.distributed.deepspeed_config is None  # one GPU; docs/scaling.md for ZeRO on several
 
 
 def test_no_preset_no_file_is_the_defaults() -> None:

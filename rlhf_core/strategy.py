@@ -1,0 +1,250 @@
+"""How the training loops turn losses into weight updates: in this process, or data-parallel over several.
+
+The PPO update and reward-model training call only the :class:`Strategy` interface (backward, step,
+zero_grad, and a few data-parallel questions), so the algorithm is written once. :class:`LocalStrategy` is
+one process with a torch AdamW; ``rlhf_core.distributed`` builds the DeepSpeed ZeRO one (the only module
+that imports deepspeed) from the same :class:`TrainableGroup` list through a :class:`StrategyFactory`.
+
+Data-parallel contract, what makes N processes compute what one process computes:
+- every rank holds the same global batch in the same order (same seeds, same shuffles);
+- each rank takes a contiguous share of each batch (:func:`shard`, :func:`weighted_shard`) and scales its
+  loss as if its share were the whole batch; the strategy averages gradients over ranks, so the update is the
+  one-process update up to float summation order;
+- statistics are summed over ranks (:meth:`Strategy.all_sum`) before anyone reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from rlhf_core.checkpoint import load_checkpoint, save_checkpoint
+from rlhf_core.experience import concat_rollouts
+from rlhf_core.rollout import Rollout
+
+T = TypeVar("T")
+LRLambda = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class TrainableGroup:
+    """One trained model: what its training forward calls, the parameters it trains, its learning rate."""
+
+    module: nn.Module
+    """The module the training forward goes through (DeepSpeed wraps exactly this one in an engine)."""
+    params: list[nn.Parameter]
+    """Its trained parameters (all of them, or a LoRA adapter and heads)."""
+    lr: float
+    """Peak learning rate (before the schedule)."""
+
+
+class Strategy(Protocol):
+    """What a training loop needs from the machinery that applies its gradients."""
+
+    rank: int
+    """This process's index among ``world_size`` data-parallel processes (0 in one process)."""
+    world_size: int
+    """Number of data-parallel processes."""
+    modules: tuple[nn.Module, ...]
+    """What training forwards call, one per :class:`TrainableGroup` in order (DeepSpeed: the engines)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of ``loss`` (already scaled to this rank's share of the batch)."""
+
+    def step(self) -> tuple[float, ...]:
+        """Clip each model's gradients to its max norm, step the optimizer(s) and the LR schedule.
+
+        Returns each model's gradient norm before clipping, in group order.
+        """
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients."""
+
+    def learning_rate(self) -> float:
+        """Current learning rate of the first group."""
+
+    def all_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over ranks (identity in one process)."""
+
+    def all_gather(self, obj: T) -> list[T]:
+        """``obj`` from every rank, in rank order (``[obj]`` in one process)."""
+
+    def inference(self, module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+        """A block with a module computing what ``module`` computes, whose forwards need no other rank.
+
+        ZeRO-3 keeps a shard of each weight per rank and gathers layer by layer in every forward, which is
+        collective, but rollouts run a different number of forwards per rank (generation lengths differ):
+        they use this module, a full copy of the current weights that lives only for the block.
+        """
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s complete weights with its own key names (not an engine's ``module.`` ones)."""
+
+    def sampling_generator(self, generator: torch.Generator) -> torch.Generator:
+        """The generator this rank samples rollouts with; ``generator`` stays identical on every rank."""
+
+    def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
+                        generator: torch.Generator, state: dict[str, Any]) -> Path:
+        """Write ``<root>/step_<step>`` (weights, optimizer, schedule, RNGs, ``state``) atomically."""
+
+    def load_checkpoint(self, path: str | os.PathLike[str], modules: dict[str, nn.Module],
+                        generator: torch.Generator) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote, in place; return the JSON state."""
+
+
+class StrategyFactory(Protocol):
+    """Builds a strategy around the trained models (the default is :func:`local_strategy`)."""
+
+    def __call__(self, groups: Sequence[TrainableGroup], weight_decay: float, max_grad_norm: float,
+                 lr_lambda: LRLambda | None = None) -> Strategy:
+        """AdamW per group (``lr`` x ``lr_lambda(step)``), gradients clipped per group to ``max_grad_norm``."""
+
+
+def local_optimizer(
+    groups: Sequence[TrainableGroup], weight_decay: float, lr_lambda: LRLambda | None = None
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR | None]:
+    """One AdamW with a parameter group per trained model, and the LR schedule (None = constant)."""
+    optimizer = torch.optim.AdamW([{"params": g.params, "lr": g.lr} for g in groups], weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda is not None else None
+    return optimizer, scheduler
+
+
+def local_strategy(groups: Sequence[TrainableGroup], weight_decay: float, max_grad_norm: float,
+                   lr_lambda: LRLambda | None = None) -> LocalStrategy:
+    """The one-process :class:`StrategyFactory`."""
+    optimizer, scheduler = local_optimizer(groups, weight_decay, lr_lambda)
+    return LocalStrategy(optimizer, scheduler, max_grad_norm, tuple(g.module for g in groups))
+
+
+class LocalStrategy:
+    """One process: ``loss.backward()``, per-group gradient-norm clipping, a torch optimizer and schedule."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                 max_grad_norm: float, modules: tuple[nn.Module, ...] = ()) -> None:
+        self.optimizer, self.scheduler, self.max_grad_norm, self.modules = optimizer, scheduler, max_grad_norm, modules
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``."""
+        loss.backward()
+
+    def step(self) -> tuple[float, ...]:
+        """Clip each parameter group on its own (policy and value model apart), then step."""
+        norms = tuple(float(torch.nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm))
+                      for group in self.optimizer.param_groups)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return norms
+
+    def zero_grad(self) -> None:
+        """Gradients to None."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def learning_rate(self) -> float:
+        """The first parameter group's current learning rate."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def all_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Identity: one rank."""
+        return dict(values)
+
+    def all_gather(self, obj: T) -> list[T]:
+        """``[obj]``."""
+        return [obj]
+
+    def inference(self, module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+        """``module`` itself."""
+        return contextlib.nullcontext(module)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()``."""
+        return module.state_dict()
+
+    def sampling_generator(self, generator: torch.Generator) -> torch.Generator:
+        """``generator`` itself (the one-process stream is unchanged by the strategy layer)."""
+        return generator
+
+    def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
+                        generator: torch.Generator, state: dict[str, Any]) -> Path:
+        """:func:`rlhf_core.checkpoint.save_checkpoint` with the scheduler state in ``state.json``."""
+        if self.scheduler is not None:
+            state = {**state, "scheduler": self.scheduler.state_dict()}
+        return save_checkpoint(root, step, modules, self.optimizer, generator, state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], modules: dict[str, nn.Module],
+                        generator: torch.Generator) -> dict[str, Any]:
+        """:func:`rlhf_core.checkpoint.load_checkpoint` plus the scheduler."""
+        saved = load_checkpoint(path, modules, self.optimizer, generator)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        return saved
+
+
+def shard(items: Sequence[T], rank: int, world_size: int, what: str = "batch") -> Sequence[T]:
+    """This rank's contiguous share of ``items``; the batch must split evenly (the caller's config checks it)."""
+    if len(items) % world_size:
+        raise ValueError(f"a {what} of {len(items)} does not split evenly over {world_size} processes; make it a "
+                         f"multiple of the number of processes")
+    size = len(items) // world_size
+    return items[rank * size:(rank + 1) * size]
+
+
+def weighted_shard(batch: Sequence[T], rank: int, world_size: int) -> tuple[Sequence[T], float]:
+    """This rank's share of a batch that may not split evenly, and the weight of its mean loss.
+
+    The weight ``len(share) * world_size / len(batch)`` makes the rank-average of weighted share means equal
+    the mean over the whole batch (1.0 when the batch splits evenly, and always in one process). A rank left
+    without rows (a short last batch) gets the batch's first row with weight 0, so its collectives still run.
+    """
+    base, extra = divmod(len(batch), world_size)
+    start = rank * base + min(rank, extra)
+    size = base + (1 if rank < extra else 0)
+    if size == 0:
+        return batch[:1], 0.0
+    return batch[start:start + size], size * world_size / len(batch)
+
+
+def gather_scored_rollouts(
+    all_gather: Callable[[Any], list[Any]],
+    pad_token_id: int,
+    rollout: Rollout,
+    per_token: tuple[torch.Tensor, ...],
+    scores: torch.Tensor,
+) -> tuple[Rollout, tuple[torch.Tensor, ...], torch.Tensor]:
+    """Every rank's share of a scored rollout batch, concatenated in rank order (= prompt order).
+
+    per_token: (B_rank, Tr_rank) tensors (old / reference log-probs, values); responses and per-token tensors
+    are right-padded (with pad and 0) and prompts left-padded to the widest rank. scores: (B_rank,).
+    """
+    device = scores.device
+    local = (rollout.select(slice(None)), per_token, scores)
+    parts = all_gather(_to_cpu(local))
+    full = concat_rollouts([p[0] for p in parts], pad_token_id)
+    width = full.response_ids.shape[1]
+
+    def right_pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0.0)
+
+    gathered = tuple(torch.cat([right_pad(p[1][i]) for p in parts]).to(device) for i in range(len(per_token)))
+    full = Rollout(**{name: getattr(full, name).to(device) for name in vars(full)})
+    return full, gathered, torch.cat([p[2] for p in parts]).to(device)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Rollout):
+        return Rollout(**{name: value.detach().cpu() for name, value in vars(obj).items()})
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(o) for o in obj)
+    return obj

@@ -1,0 +1,181 @@
+"""Gradient checkpointing changes memory, not gradients; bf16 autocast stays close to fp32 and keeps ratio 1."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
+from rlhf_core.experience import PPOModels, collect_experience
+from rlhf_core.memory import autocast, enable_gradient_checkpointing, is_checkpointing
+from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, micro_batch_loss, ppo_step
+from rlhf_core.reward_training import PreferencePair, train_reward_model
+from rlhf_core.rewards import RunningMoments
+from tests.tiny_models import gpt2_config, word_tokenizer
+
+PAD, BOS, EOS, VOCAB = 0, 1, 2, 24
+PROMPTS = [[BOS] + [random.Random(i).randrange(3, VOCAB) for _ in range(2 + i % 3)] for i in range(16)]
+
+
+class CountSeven:
+    def __call__(self, rollout):
+        return ((rollout.response_ids == 7) & rollout.response_mask).float().sum(dim=1)
+
+
+def models(value_model: str = "head") -> PPOModels:
+    torch.manual_seed(0)
+    policy = disable_dropout(GPT2LMHeadModel(gpt2_config(VOCAB, n_layer=3)))
+    common = dict(policy=policy, reference=make_reference(policy), scorer=CountSeven(), stop_token_ids=(EOS,),
+                  pad_token_id=PAD)
+    if value_model == "head":
+        return PPOModels(**common, value_head=ValueHead(32))
+    return PPOModels(**common, critic=Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1))))
+
+
+def config(**overrides) -> PPOConfig:
+    settings = dict(rollout_batch_size=16, mini_batch_size=16, micro_batch_size=8, ppo_epochs=1,
+                    generation=GenerationConfig(max_new_tokens=8, temperature=0.7, batch_size=16))
+    settings.update(overrides)
+    return PPOConfig(**settings)
+
+
+def experience_for(m: PPOModels, cfg: PPOConfig):
+    experience, _, _, _ = collect_experience(m, PROMPTS, cfg, 0.05, torch.Generator().manual_seed(0), RunningMoments())
+    return experience
+
+
+def gradients(m: PPOModels, cfg: PPOConfig, experience) -> dict[str, torch.Tensor]:
+    value = m.value_head if m.value_head is not None else m.critic
+    for p in [*m.policy.parameters(), *value.parameters()]:
+        p.grad = None
+    with autocast(cfg.autocast, torch.device("cpu")):
+        loss, _ = micro_batch_loss(m, experience, cfg, 0.05)
+    loss.backward()
+    named = [*m.policy.named_parameters(), *(("value." + n, p) for n, p in value.named_parameters())]
+    return {name: p.grad.clone() for name, p in named if p.grad is not None}
+
+
+# --------------------------------------------------------------------------------------------- checkpointing
+
+
+@pytest.mark.parametrize("value_model", ["head", "critic"])
+def test_gradient_checkpointing_gives_the_same_gradients(value_model):
+    cfg = config()
+    plain = models(value_model)
+    experience = experience_for(plain, cfg)
+    expected = gradients(plain, cfg, experience)
+
+    checkpointed = models(value_model)
+    enable_gradient_checkpointing(checkpointed.policy)
+    if checkpointed.critic is not None:
+        enable_gradient_checkpointing(checkpointed.critic)
+    calls = []  # the block's own hooks stay outside the checkpoint; its MLP's run again in the recompute
+    checkpointed.policy.transformer.h[1].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    got = gradients(checkpointed, cfg, experience)
+
+    assert len(calls) == 2  # forward, then the recompute in the backward pass: checkpointing is really on
+    assert got.keys() == expected.keys() and len(got) > 10
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ppo_config_switches_checkpointing_on_and_keeps_the_update():
+    stats = {}
+    for flag in (False, True):
+        m = models()
+        optimizer, scheduler = make_optimizer(m, config(gradient_checkpointing=flag))
+        state = PPOState(make_kl_controller(config()), torch.Generator().manual_seed(0))
+        stats[flag] = ppo_step(m, optimizer, scheduler, state, PROMPTS, config(gradient_checkpointing=flag))
+        assert is_checkpointing(m.policy) is flag
+    assert stats[True].update.policy_loss == pytest.approx(stats[False].update.policy_loss, abs=1e-6)
+    assert stats[True].update.policy_grad_norm == pytest.approx(stats[False].update.policy_grad_norm, rel=1e-5)
+
+
+def test_checkpointing_refuses_a_module_without_a_transformer():
+    with pytest.raises(ValueError, match="gradient_checkpointing=false"):
+        enable_gradient_checkpointing(ValueHead(8))
+
+
+def preference_pairs(n: int) -> list[PreferencePair]:
+    rng = random.Random(0)
+    words = ["cat", "dog", "sat", "ran", "mat", "tree"]
+    return [PreferencePair(" ".join(rng.choice(words) for _ in range(3)), "good good " + rng.choice(words),
+                           "bad bad " + rng.choice(words)) for _ in range(n)]
+
+
+def reward_training(**overrides):
+    torch.manual_seed(3)
+    model = GPT2ForSequenceClassification(gpt2_config(len(word_tokenizer()), num_labels=1))
+    cfg = RewardTrainingConfig(batch_size=8, learning_rate=3e-3, max_length=32, **overrides)
+    result = train_reward_model(model, word_tokenizer(), preference_pairs(24), preference_pairs(8), cfg)
+    return result, model
+
+
+def test_reward_model_training_with_checkpointing_matches():
+    plain, _ = reward_training()
+    checkpointed, model = reward_training(gradient_checkpointing=True)
+    assert is_checkpointing(model)
+    assert checkpointed.train_loss == pytest.approx(plain.train_loss, abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- bf16 autocast
+
+
+def test_bf16_autocast_loss_and_gradients_are_close_to_fp32():
+    cfg = config()
+    m = models()
+    experience = experience_for(m, cfg)
+    with autocast("bf16", torch.device("cpu")):
+        bf16_loss, bf16_parts = micro_batch_loss(m, experience, cfg, 0.05)
+        logits = m.policy(input_ids=experience.rollout.input_ids).logits
+    fp32_loss, fp32_parts = micro_batch_loss(m, experience, cfg, 0.05)
+    assert logits.dtype == torch.bfloat16  # autocast is really on
+    bf16_loss, fp32_loss = float(bf16_loss.detach()), float(fp32_loss.detach())
+    assert bf16_loss != fp32_loss
+    assert bf16_loss == pytest.approx(fp32_loss, abs=2e-3)
+    for key in ("value_loss", "entropy"):
+        assert bf16_parts[key] == pytest.approx(fp32_parts[key], rel=2e-2), key
+    expected = gradients(m, cfg, experience)
+    got = gradients(m, replace(cfg, autocast="bf16"), experience)
+    cosine = torch.nn.functional.cosine_similarity(
+        torch.cat([g.flatten() for g in got.values()]), torch.cat([g.flatten() for g in expected.values()]), dim=0)
+    assert float(cosine) > 0.99
+
+
+def test_bf16_reward_model_training_stays_close_to_fp32():
+    fp32, _ = reward_training()
+    bf16, _ = reward_training(autocast="bf16")
+    assert bf16.train_loss != fp32.train_loss
+    assert bf16.train_loss == pytest.approx(fp32.train_loss, abs=2e-2)
+    assert bf16.final_eval.accuracy == pytest.approx(fp32.final_eval.accuracy, abs=0.15)
+
+
+def first_minibatch(cfg: PPOConfig, old_from: PPOConfig):
+    """ppo_step's first (and only) mini-batch with old log-probs computed under ``old_from``'s precision."""
+    m = models()
+    experience = experience_for(m, old_from)
+    with autocast(cfg.autocast, torch.device("cpu")):
+        _, parts = micro_batch_loss(m, experience, cfg, 0.05)
+    return parts
+
+
+def test_first_minibatch_ratio_is_one_with_autocast():
+    cfg = config(autocast="bf16")
+    m = models()
+    optimizer, scheduler = make_optimizer(m, cfg)
+    stats = ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(cfg), torch.Generator().manual_seed(0)),
+                     PROMPTS, cfg)
+    assert stats.update.ratio_mean == pytest.approx(1.0, abs=1e-7)
+    assert stats.update.approx_kl < 1e-10
+    assert stats.update.clipfrac == 0.0
+    assert stats.rollout.kl_mean == pytest.approx(0.0, abs=1e-6)  # reference log-probs: the same precision too
+    # The check can fail: old log-probs from fp32 against a bf16 training forward are not ratio 1
+    # (measured on this tiny model: ratio - 1 = 6e-5, approx_kl = 2e-7).
+    mixed = first_minibatch(cfg, old_from=config())
+    assert abs(mixed["ratio_mean"] - 1.0) > 1e-6
+    assert mixed["approx_kl"] > 1e-9

@@ -1,0 +1,197 @@
+"""The training cases of test_zero.py, run the same way in one process and in each of N spawned processes.
+
+Each case builds its tiny models from a seed, so every process starts from the same weights; the PPO cases
+read one pre-built rollout batch from disk (the parent builds it), so every run updates on the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
+from rlhf_core.experience import Experience, PPOModels, collect_experience
+from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.ppo import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
+from rlhf_core.ppo_loop import train_ppo
+from rlhf_core.reward_training import PreferencePair, train_reward_model
+from rlhf_core.rewards import RunningMoments
+from rlhf_core.strategy import StrategyFactory
+from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
+
+PAD, BOS, EOS, VOCAB = 0, 1, 2, 24
+BETA = 0.05
+
+INFRA = Path(__file__).resolve().parents[2] / "infra" / "deepspeed"
+ZERO2: dict[str, Any] = json.loads((INFRA / "zero2.json").read_text())
+# The shipped config, except that offloading the optimizer normally runs DeepSpeedCPUAdam, a C++ op compiled on
+# first use (minutes on a cold machine): the test keeps torch's AdamW, so it measures ZeRO-3's partitioning and
+# offload, not a compiler.
+ZERO3_OFFLOAD: dict[str, Any] = {**json.loads((INFRA / "zero3_offload.json").read_text()),
+                                 "zero_force_ds_cpu_optimizer": False}
+CASES = {"zero2": (ZERO2, "head"), "zero3_offload": (ZERO3_OFFLOAD, "critic")}
+
+
+# --------------------------------------------------------------------------------------------- reward model
+
+
+def preference_pairs(n: int, seed: int) -> list[PreferencePair]:
+    """Pairs where the chosen reply holds more 'good' than the rejected one (learnable in a few steps)."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        prompt = " ".join(rng.choice(WORDS[6:]) for _ in range(3))
+        filler = [rng.choice(WORDS[4:]) for _ in range(4)]
+        pairs.append(PreferencePair(prompt, " ".join(["good"] * 2 + filler), " ".join(["bad"] * 2 + filler)))
+    return pairs
+
+
+RM_CONFIG = RewardTrainingConfig(epochs=1, batch_size=8, learning_rate=3e-3, max_length=32, center_rewards_coef=0.01)
+
+
+def train_rm(make_strategy: StrategyFactory | None) -> dict[str, Any]:
+    """21 pairs in batches of 8: the last batch (5 pairs) splits 3 / 2 over two processes."""
+    model = rm_model()
+    grad_norms: list[float] = []
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        if "rm/train/grad_norm" in metrics:
+            grad_norms.append(metrics["rm/train/grad_norm"])
+
+    result = train_reward_model(model, word_tokenizer(), preference_pairs(21, 0), preference_pairs(6, 1), RM_CONFIG,
+                                on_log=on_log, make_strategy=make_strategy)
+    return {"loss": result.train_loss, "accuracy": result.train_accuracy, "eval_loss": result.final_eval.loss,
+            "grad_norm": grad_norms, "weights": _weights(model, make_strategy)}
+
+
+def rm_model() -> GPT2ForSequenceClassification:
+    """The reward model every run starts from."""
+    torch.manual_seed(3)
+    return GPT2ForSequenceClassification(gpt2_config(len(word_tokenizer()), num_labels=1))
+
+
+# --------------------------------------------------------------------------------------------- PPO
+
+
+class CountSeven:
+    """Score = number of token 7 in the response."""
+
+    def __call__(self, rollout):
+        return ((rollout.response_ids == 7) & rollout.response_mask).float().sum(dim=1)
+
+
+PROMPTS = [[BOS] + [random.Random(i).randrange(3, VOCAB) for _ in range(2 + i % 3)] for i in range(16)]
+PPO_CONFIG = PPOConfig(rollout_batch_size=16, mini_batch_size=8, micro_batch_size=2, ppo_epochs=2,
+                       learning_rate=1e-3, value_learning_rate=1e-3, max_grad_norm=0.5, lr_schedule="linear",
+                       total_updates=2, generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=8))
+
+
+def ppo_models(value_model: str) -> PPOModels:
+    """Tiny policy, its frozen reference, a counting scorer and a value head or a critic."""
+    torch.manual_seed(0)
+    policy = disable_dropout(GPT2LMHeadModel(gpt2_config(VOCAB)))
+    common = dict(policy=policy, reference=make_reference(policy), scorer=CountSeven(), stop_token_ids=(EOS,),
+                  pad_token_id=PAD)
+    if value_model == "head":
+        return PPOModels(**common, value_head=ValueHead(32))
+    torch.manual_seed(1)
+    return PPOModels(**common, critic=Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1))))
+
+
+def build_experience(path: Path) -> None:
+    """The rollout batch every run updates on, generated once in one process."""
+    for value_model in ("head", "critic"):
+        experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, BETA,
+                                                 torch.Generator().manual_seed(0), RunningMoments())
+        torch.save(experience, path / f"experience_{value_model}.pt")
+
+
+def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: Path) -> dict[str, Any]:
+    """One ppo_update (2 epochs x 2 mini-batches x 4 micro-batches of 2) on the saved batch."""
+    experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
+    models, strategy = prepare_training(ppo_models(value_model), PPO_CONFIG, make_strategy)
+    stats = ppo_update(models, None, None, experience, PPO_CONFIG, BETA, torch.Generator().manual_seed(5), strategy)
+    value = models.value_head if models.value_head is not None else models.critic
+    return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, value)}
+
+
+def sharded_ppo_step(make_strategy: StrategyFactory, value_model: str) -> dict[str, Any]:
+    """A whole ppo_step: each process generates and scores 8 of the 16 rollouts; one epoch, one mini-batch."""
+    config = PPOConfig(rollout_batch_size=16, mini_batch_size=16, micro_batch_size=4, ppo_epochs=1,
+                       generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=8))
+    models, strategy = prepare_training(ppo_models(value_model), config, make_strategy)
+    state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
+    stats = ppo_step(models, None, None, state, PROMPTS, config, strategy)
+    return {"stats": stats, "generator": state.generator.get_state(), "policy": _state(strategy, models.policy)}
+
+
+RESUME_CONFIG = PPOConfig(rollout_batch_size=8, mini_batch_size=8, micro_batch_size=2, ppo_epochs=1,
+                          learning_rate=1e-3, value_learning_rate=1e-3, ref_refresh_every=1,
+                          generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=4))
+
+
+def interrupted_and_straight_runs(make_strategy: StrategyFactory, folder: Path) -> dict[str, Any]:
+    """train_ppo for 2 updates, and for 1 update then (fresh models and engines) resumed to 2."""
+    straight = train_ppo(ppo_models("critic"), PROMPTS, RESUME_CONFIG, 2, checkpoint_dir=folder / "straight",
+                         make_strategy=make_strategy)
+    train_ppo(ppo_models("critic"), PROMPTS, RESUME_CONFIG, 1, checkpoint_dir=folder / "resumed",
+              make_strategy=make_strategy)
+    resumed = train_ppo(ppo_models("critic"), PROMPTS, RESUME_CONFIG, 2, checkpoint_dir=folder / "resumed",
+                        make_strategy=make_strategy)
+    return {"straight": straight.history, "resumed": resumed.history, "resumed_from": resumed.resumed_from_step}
+
+
+def _state(strategy, module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().float() for k, v in strategy.full_state_dict(module).items()}
+
+
+def _weights(model, make_strategy) -> dict[str, torch.Tensor]:
+    """The reward model's weights after training (ZeRO-3: gathered from the shards)."""
+    if make_strategy is None:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _state(make_strategy.built[-1], model)
+
+
+# --------------------------------------------------------------------------------------------- spawned
+
+
+def worker(rank: int, world_size: int, port: int, folder: str) -> None:
+    """One of ``world_size`` processes: every case under DeepSpeed; rank 0 saves the results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's notes on DeepSpeed's collective calls
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    from rlhf_core.distributed import DeepSpeedFactory, init_distributed
+
+    init_distributed()
+    out: dict[str, Any] = {}
+    for name, (ds_config, value_model) in CASES.items():
+        rm = DeepSpeedFactory(ds_config, micro_batch_size=-(-RM_CONFIG.batch_size // world_size))
+        out[f"{name}/rm"] = train_rm(rm)
+        ppo = DeepSpeedFactory(ds_config, micro_batch_size=PPO_CONFIG.micro_batch_size)
+        out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder))
+        step = sharded_ppo_step(DeepSpeedFactory(ds_config, micro_batch_size=4), value_model)
+        out[f"{name}/step"] = step["stats"]
+        out[f"{name}/step_ranks"] = _all_ranks(step)
+    resume = DeepSpeedFactory(ZERO3_OFFLOAD, micro_batch_size=RESUME_CONFIG.micro_batch_size)
+    out["resume"] = interrupted_and_straight_runs(resume, Path(folder))
+    if rank == 0:
+        torch.save(out, Path(folder) / "distributed.pt")
+
+
+def _all_ranks(step: dict[str, Any]) -> list[Any]:
+    import torch.distributed as dist
+
+    mine = (step["stats"].rollout, step["generator"], step["policy"]["transformer.h.0.attn.c_attn.weight"])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered

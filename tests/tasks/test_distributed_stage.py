@@ -1,0 +1,163 @@
+"""A stage's training switched to DeepSpeed workers by config alone (tasks/launch.py, tasks/distributed_train.py).
+
+The slow tests launch ``torchrun`` with 2 CPU workers (gloo) exactly as a stage does, and check what the stage
+gets back: the reward model's weights and curve equal the in-process training's (within float tolerance),
+and PPO leaves a DeepSpeed checkpoint whose weights and history land in the stage's models.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+from rlhf_core.checkpoint import DEEPSPEED_DIR, latest_checkpoint
+from rlhf_core.ppo_loop import train_ppo
+from tasks.config import ConfigError, DistributedSection, load_config
+from tasks.launch import _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
+from tasks.ppo import build_models, load_prompts
+from tests.distributed.zero_cases import preference_pairs
+from tests.tiny_models import gpt2_config, word_tokenizer
+
+PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box", "the moon sat on a mat",
+           "a small star", "fast blue tree", "q slow dog"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pipeline_config(*overrides: str):
+    return load_config(preset="tiny", overrides=[
+        "device=cpu", "ppo.ppo.micro_batch_size=2", "distributed.deepspeed_config=infra/deepspeed/zero2.json",
+        "distributed.num_processes=2", f"distributed.master_port={_free_port()}", *overrides])
+
+
+# --------------------------------------------------------------------------------------------- fast
+
+
+def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path):
+    section = DistributedSection(deepspeed_config="x.json", num_processes=4, num_nodes=2, master_addr="10.0.0.1",
+                                 master_port=29600)
+    command = launch_command(section, tmp_path / "job.json", node_rank=1)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert {"--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+            "--master-port=29600"} <= set(command)
+    assert command[-4:] == ["-m", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
+
+
+def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path):
+    section = DistributedSection(deepspeed_config="x.json", launcher="deepspeed", num_nodes=2, hostfile="hosts")
+    command = launch_command(section, tmp_path / "job.json")
+    assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert "--hostfile=hosts" in command and "--num_nodes=2" in command
+    assert not any(arg.startswith("--num_gpus") for arg in command)  # the hostfile's slots decide
+    assert command[-4:] == ["--module", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("distributed.num_processes=2", "need distributed.deepspeed_config"),
+    ("distributed.hostfile=hosts", "launcher='deepspeed'"),
+    ("distributed.stages=[sft]", "choose one of"),
+])
+def test_bad_distributed_settings_name_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset="tiny", overrides=[override])
+
+
+def test_in_process_by_default():
+    config = load_config(preset="tiny")
+    assert not config.distributed.runs("reward-model") and not config.distributed.runs("ppo-iteration")
+    assert pipeline_config().distributed.runs("ppo-iteration")
+    assert not pipeline_config("distributed.stages=[reward-model]").distributed.runs("ppo-iteration")
+
+
+def test_metrics_follower_passes_only_complete_lines(tmp_path):
+    path, seen = tmp_path / "metrics.jsonl", []
+    follower = _MetricsFollower(path, lambda step, metrics: seen.append((step, metrics)))
+    follower.poll()  # no file yet
+    path.write_text(json.dumps({"step": 1, "metrics": {"a": 1.0}}) + "\n" + '{"step": 2, "met')
+    follower.poll()
+    assert seen == [(1, {"a": 1.0})]
+    with open(path, "a") as handle:
+        handle.write('rics": {"a": 2.0}}\n')
+    follower.poll()
+    assert seen == [(1, {"a": 1.0}), (2, {"a": 2.0})]
+
+
+# --------------------------------------------------------------------------------------------- launched
+
+
+def reward_model() -> GPT2ForSequenceClassification:
+    torch.manual_seed(3)
+    return GPT2ForSequenceClassification(gpt2_config(len(word_tokenizer()), num_labels=1))
+
+
+@pytest.mark.slow
+def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_path):
+    config = pipeline_config()
+    cfg = config.reward_model.training
+    train, evaluate_on = preference_pairs(40, 0), preference_pairs(8, 1)
+    local_log, launched_log = [], []
+    local = fit_reward_model(load_config(preset="tiny"), (one := reward_model()), word_tokenizer(), train, evaluate_on,
+                             cfg, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
+    launched = fit_reward_model(config, (two := reward_model()), word_tokenizer(), train, evaluate_on, cfg,
+                                lambda s, m: launched_log.append((s, m)), 2, tmp_path / "rm")
+
+    assert (tmp_path / "rm" / "job.json").is_file() and not (tmp_path / "unused").exists()
+    assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
+    assert launched.final_eval.accuracy == pytest.approx(local.final_eval.accuracy)
+    assert [s for s, _ in launched_log] == [s for s, _ in local_log]  # rank 0's metrics reached the stage
+    assert launched_log[-1][1]["rm/eval/loss"] == pytest.approx(local_log[-1][1]["rm/eval/loss"], abs=1e-5)
+    start, trained = reward_model().state_dict(), two.state_dict()
+    moved = sum(float(((one.state_dict()[k] - start[k]) ** 2).sum()) for k in start) ** 0.5
+    apart = sum(float(((one.state_dict()[k] - trained[k]) ** 2).sum()) for k in start) ** 0.5
+    # The stage's model holds the workers' weights (not its untrained start: that would be apart == moved). Adam
+    # turns float noise in near-zero gradients into up-to-lr steps, so the gradient norms are the tight check.
+    assert moved > 1e-2 and apart / moved < 1e-2
+    launched_norms = [m["rm/train/grad_norm"] for _, m in launched_log if "rm/train/grad_norm" in m]
+    assert launched_norms == pytest.approx([m["rm/train/grad_norm"] for _, m in local_log if "rm/train/grad_norm" in m],
+                                           rel=1e-4)
+
+
+@pytest.mark.slow
+def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path):
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2_config(len(tokenizer))).save_pretrained(tmp_path / "sft")
+    torch.manual_seed(1)
+    GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1)).save_pretrained(tmp_path / "rm")
+    for name in ("sft", "rm"):
+        tokenizer.save_pretrained(tmp_path / name)
+    pq.write_table(pa.table({"prompt": PROMPTS}), tmp_path / "prompts.parquet")
+    config = pipeline_config()
+    inputs = {"reference_dir": str(tmp_path / "sft"), "reward_dir": str(tmp_path / "rm"),
+              "prompts_file": str(tmp_path / "prompts.parquet")}
+    models = build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer)
+    prompts = load_prompts(inputs["prompts_file"], tokenizer, 64 - 16)
+    logged = []
+    result = run_ppo_training(config, models, prompts, 2, tmp_path / "checkpoints", 1,
+                              lambda step, metrics: logged.append(step), None, inputs, tmp_path / "distributed")
+
+    final = latest_checkpoint(tmp_path / "checkpoints")
+    assert final.name == "step_000002"
+    assert (final / DEEPSPEED_DIR / "engine0").is_dir() and (final / DEEPSPEED_DIR / "engine1").is_dir()
+    assert logged == [1, 2] and len(result.history) == 2
+    assert result.history[0]["ppo/policy/ratio_mean"] == pytest.approx(1.0, abs=0.05)
+    saved = load_file(str(final / "policy.safetensors"))
+    assert torch.equal(models.policy.state_dict()["transformer.h.0.mlp.c_fc.weight"],
+                       saved["transformer.h.0.mlp.c_fc.weight"])  # the stage's policy is the trained one
+    start = GPT2LMHeadModel.from_pretrained(tmp_path / "sft").state_dict()["transformer.h.0.mlp.c_fc.weight"]
+    assert not torch.equal(saved["transformer.h.0.mlp.c_fc.weight"], start)
+    # Its optimizer state is DeepSpeed's shards: resuming it in one process fails with what to do.
+    with pytest.raises(FileNotFoundError, match="same distributed settings"):
+        train_ppo(build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer), prompts,
+                  config.ppo.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")
