@@ -211,6 +211,10 @@ class RewardTrainingConfig:
     """'bf16': training and evaluation forwards under bf16 autocast; 'none': the weights' own precision."""
     seed: int = 0
     """Seed for shuffling and head initialisation."""
+    select_best_epoch: bool = False
+    """Score the eval pairs before training and after every epoch and keep the weights with the lowest eval loss
+    (early stopping; the weights before training count, so extra epochs can only be undone). Costs one copy
+    of the weights in CPU memory; one process only. The eval pairs then choose the model: measure it elsewhere."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Train a LoRA adapter and the score head instead of every weight; the adapter is merged into the weights
     when training ends, so the result is a plain sequence classifier."""

@@ -83,6 +83,8 @@ class RewardTrainingResult:
     evals: list[tuple[int, RewardEval]] = field(default_factory=list)
     n_truncated: int = 0
     seconds: float = 0.0
+    best_epoch: int | None = None
+    """With ``select_best_epoch``: the epoch whose weights were kept (0 = the weights before training)."""
 
     @property
     def final_eval(self) -> RewardEval | None:
@@ -166,6 +168,8 @@ def train_reward_model(
     """
     if not train_pairs:
         raise ValueError("train_reward_model got no training pairs")
+    if config.select_best_epoch and (not eval_pairs or make_strategy is not None):
+        raise ValueError("select_best_epoch needs eval pairs to select on and runs in one process (no make_strategy)")
     started = time.monotonic()
     torch.manual_seed(config.seed)
     disable_dropout(model).train()
@@ -182,7 +186,13 @@ def train_reward_model(
     order = list(range(len(train.chosen)))
     rng = random.Random(config.seed)
     step = 0
-    for _ in range(config.epochs):
+    best = _BestEpoch() if config.select_best_epoch else None
+    if best is not None:
+        initial = _record_eval(model, tokenizer, held_out, step, result, config)
+        if on_log is not None:
+            on_log(step, initial)
+        best.consider(0, result.evals[-1][1], model)
+    for epoch in range(1, config.epochs + 1):
         rng.shuffle(order)
         for start in range(0, len(order), config.batch_size):
             metrics = _train_step(scorer, tokenizer, train, order[start : start + config.batch_size], strategy, config)
@@ -193,15 +203,47 @@ def train_reward_model(
                 metrics.update(_record_eval(model, tokenizer, held_out, step, result, config))
             if on_log is not None:
                 on_log(step, metrics)
+        if best is not None:
+            if result.evals[-1][0] != step:
+                after_epoch = _record_eval(model, tokenizer, held_out, step, result, config)
+                if on_log is not None:
+                    on_log(step, after_epoch)
+            best.consider(epoch, result.evals[-1][1], model)
     if held_out is not None and (not result.evals or result.evals[-1][0] != step):
         final = _record_eval(model, tokenizer, held_out, step, result, config)
         if on_log is not None:
             on_log(step, final)
+    if best is not None:
+        result.best_epoch = best.restore(model, config.epochs)
+        result.evals.append((step, best.evaluation))  # final_eval describes the weights returned
     if adapter is not None:
         merge_adapter(adapter)  # a plain classifier again, which the caller saves and scores as before
     model.eval()
     result.seconds = time.monotonic() - started
     return result
+
+
+class _BestEpoch:
+    """The weights (a CPU copy) and evaluation of the epoch with the lowest eval loss so far."""
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        self.evaluation: RewardEval | None = None
+        self.state: dict[str, torch.Tensor] = {}
+
+    def consider(self, epoch: int, evaluation: RewardEval, model: nn.Module) -> None:
+        if self.evaluation is None or evaluation.loss < self.evaluation.loss:
+            self.epoch, self.evaluation = epoch, evaluation
+            self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def restore(self, model: nn.Module, last_epoch: int) -> int:
+        """Load the kept weights into ``model`` unless they are the last epoch's; returns the kept epoch."""
+        if self.epoch != last_epoch:
+            model.load_state_dict(self.state)
+            log.info("reward model: kept epoch %d of %d (eval loss %.4f, accuracy %.3f: the lowest loss)",
+                     self.epoch, last_epoch, self.evaluation.loss, self.evaluation.accuracy)
+        self.state = {}
+        return self.epoch
 
 
 def _train_step(

@@ -207,6 +207,11 @@ class RefreshSection:
     """Prompts sampled per refresh; the policy writes two replies to each, and each pair is labelled once."""
     on_policy_eval_fraction: float = 0.25
     """Share of the fresh pairs' prompts held out to measure the RM on on-policy replies (never trained on)."""
+    validation_fraction: float = 0.0
+    """Share of the remaining fresh prompts held back to choose how long to train: the RM is scored on their
+    pairs before the continued training and after every epoch, and the epoch with the lowest loss is kept
+    (0 = the RM before the refresh, so over-fitting epochs are undone). 0 = train every epoch, keep the last.
+    The validation pairs are saved with the refresh-train pairs, so later refreshes train on them."""
     keep_old_pairs: bool = True
     """Replay original training pairs next to the fresh ones (False = fresh ones only)."""
     old_pairs_ratio: float = 1.0
@@ -228,6 +233,8 @@ class RefreshSection:
             raise ValueError(f"refresh.annotator_temperature must be > 0, got {self.annotator_temperature}")
         if not 0.0 < self.on_policy_eval_fraction < 1.0:
             raise ValueError(f"refresh.on_policy_eval_fraction must be in (0, 1), got {self.on_policy_eval_fraction}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(f"refresh.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.old_pairs_ratio < 0 or self.epochs < 1 or self.promotion_tolerance < 0:
             raise ValueError(f"refresh.old_pairs_ratio and refresh.promotion_tolerance must be >= 0 and "
                              f"refresh.epochs >= 1, got {self.old_pairs_ratio}, {self.promotion_tolerance}, "

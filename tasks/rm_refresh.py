@@ -5,7 +5,9 @@ PPO pushes the policy towards replies the proxy RM was never trained on, which i
 annotator (``refresh.annotator``: simulated, file, rm_judge; see ``rlhf_core.annotators``) pick the better one,
 validates the labels like any preference data, and splits the fresh pairs by prompt into refresh-train and
 on-policy-eval. The current proxy is measured on the on-policy-eval pairs and on the held-out pairs, trained
-further on the fresh pairs (plus replayed old ones), and measured again. The refreshed RM is always saved and
+further on the fresh pairs (plus replayed old ones), and measured again; with ``refresh.validation_fraction``
+some fresh training prompts choose the epoch to keep (lowest validation loss, "before training" included).
+The refreshed RM is always saved and
 registered (alias ``candidate``); alias ``champion`` moves to it only when its held-out accuracy did not drop
 (beyond ``refresh.promotion_tolerance``), and only then does :attr:`RefreshResult.reward_model_uri` point to it.
 
@@ -118,7 +120,10 @@ class _Data:
     """What the continued training and the before/after measurements read."""
 
     train: list[PreferencePair]
-    """Fresh refresh-train pairs, the earlier refreshes' train pairs, then the replayed old pairs."""
+    """Fresh refresh-train pairs (less the validation ones), the earlier refreshes' train pairs, then the
+    replayed old pairs."""
+    validation: list[PreferencePair]
+    """Fresh pairs that choose the epoch to keep (``refresh.validation_fraction``; empty = keep the last)."""
     onpolicy: list[PreferencePair]
     """Fresh on-policy-eval pairs (their prompts are not in ``train``'s fresh part)."""
     heldout: list[PreferencePair]
@@ -158,8 +163,7 @@ def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, prox
         judged = {"onpolicy": data.onpolicy, "heldout": data.heldout,
                   "onpolicy_gold": gold_judged_onpolicy(config, data.onpolicy)}
         metrics = {**data.counts, **accuracies(model, tokenizer, judged, cfg, "before")}
-        metrics["refresh/train_steps"] = float(_continue_training(model, tokenizer, data.train, data.onpolicy, cfg,
-                                                                  run_id))
+        metrics |= _continue_training(model, tokenizer, data, cfg, run_id)
         metrics |= accuracies(model, tokenizer, judged, cfg, "after")
         new_dir = atomic_write_dir(here / "reward_model", lambda tmp: _save(model, tokenizer, tmp))
         ref = register_model_dir(new_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
@@ -197,22 +201,27 @@ def _log_outputs(run_id: str, iteration: int, record: Mapping[str, object], tabl
 def prepare_refresh_data(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,
                          train_pairs: str, heldout_pairs: str, ppo_prompts: str, here: Path,
                          earlier_pairs: Sequence[str] = ()) -> _Data:
-    """Fresh labelled pairs split by prompt into refresh-train and on-policy-eval, the earlier refreshes'
-    train pairs, the replayed old pairs and the held-out pairs; the fresh tables and the quarantine are
-    written under ``here``."""
+    """Fresh labelled pairs split by prompt into refresh-train (less a validation share) and on-policy-eval,
+    the earlier refreshes' train pairs, the replayed old pairs and the held-out pairs; the fresh tables
+    (refresh-train with its validation pairs, which later refreshes train on) and the quarantine are written
+    under ``here``."""
     section, seed = config.refresh, config.seed * 1000 + iteration
     fresh = collect_fresh_pairs(config, iteration, policy_uri, heldout_rm_uri, ppo_prompts, here)
     train_new, eval_new = split_by_prompt(fresh.records, section.on_policy_eval_fraction, seed)
+    fit_new, validation = (split_by_prompt(train_new, section.validation_fraction, seed + 1)
+                           if section.validation_fraction > 0 else (train_new, []))
     earlier = [pair for path in earlier_pairs for pair in read_pairs(path)]
-    n_fresh = len(train_new) + len(earlier)
+    n_fresh = len(fit_new) + len(earlier)
     replay = replay_sample(read_pairs(train_pairs), n_fresh, config, seed) if section.keep_old_pairs else []
     tables = {"train": write_parquet(train_new, PREFERENCE_PAIRS, here / "refresh_train_pairs.parquet"),
               "eval": write_parquet(eval_new, PREFERENCE_PAIRS, here / "onpolicy_eval_pairs.parquet"),
               "quarantine": write_parquet(fresh.quarantine, QUARANTINE, here / "refresh_quarantine.parquet")}
     counts = {**fresh.counts, "refresh/n_new_pairs": float(len(fresh.records)),
-              "refresh/n_train_new": float(len(train_new)), "refresh/n_onpolicy_eval": float(len(eval_new)),
+              "refresh/n_train_new": float(len(fit_new)), "refresh/n_validation": float(len(validation)),
+              "refresh/n_onpolicy_eval": float(len(eval_new)),
               "refresh/n_earlier_refresh_pairs": float(len(earlier)), "refresh/n_old_replayed": float(len(replay))}
-    return _Data(to_pairs(train_new) + earlier + replay, to_pairs(eval_new), read_pairs(heldout_pairs), tables, counts)
+    return _Data(to_pairs(fit_new) + earlier + replay, to_pairs(validation), to_pairs(eval_new),
+                 read_pairs(heldout_pairs), tables, counts)
 
 
 def collect_fresh_pairs(config: PipelineConfig, iteration: int, policy_uri: str, heldout_rm_uri: str,
@@ -333,10 +342,11 @@ def replay_sample(old: Sequence[PreferencePair], n_new: int, config: PipelineCon
 
 
 def training_config(config: PipelineConfig, iteration: int) -> RewardTrainingConfig:
-    """``reward_model.training`` with refresh's epochs / learning rate and a per-iteration shuffle seed."""
+    """``reward_model.training`` with refresh's epochs / learning rate, a per-iteration shuffle seed, and
+    best-epoch selection when ``refresh.validation_fraction`` holds pairs back for it."""
     base, section = config.reward_model.training, config.refresh
     return replace(base, epochs=section.epochs, learning_rate=section.learning_rate or base.learning_rate,
-                   seed=base.seed + iteration)
+                   seed=base.seed + iteration, select_best_epoch=section.validation_fraction > 0)
 
 
 def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
@@ -353,30 +363,39 @@ def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return metrics
 
 
-def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
-                       onpolicy: Sequence[PreferencePair], cfg: RewardTrainingConfig, run_id: str) -> int:
-    """Train in place; per-step ``refresh/train/*`` and ``refresh/eval/*`` (on-policy) curves go to MLflow."""
-    steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
+def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: _Data,
+                       cfg: RewardTrainingConfig, run_id: str) -> dict[str, float]:
+    """Train in place on ``data.train``; returns ``refresh/train_steps`` and ``refresh/best_epoch``.
+
+    With validation pairs the epoch with the lowest validation loss is kept (``cfg.select_best_epoch``, set by
+    :func:`training_config`) and the ``refresh/eval/*`` curve is theirs; without, it is the on-policy pairs'
+    (which then only watch). Per-step ``refresh/train/*`` and ``refresh/eval/*`` curves go to MLflow.
+    """
+    steps = cfg.epochs * math.ceil(len(data.train) / cfg.batch_size)
     curve: list[Metric] = []
 
     def on_log(step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
         curve.extend(Metric(f"refresh/{k.removeprefix('rm/')}", float(v), now, step) for k, v in metrics.items())
 
-    log.info("rm-refresh: %d training pairs, %d steps", len(train), steps)
-    train_reward_model(model, tokenizer, train, onpolicy, cfg, on_log=on_log,
-                       eval_every=max(1, steps // EVALS_PER_TRAINING))
+    log.info("rm-refresh: %d training pairs, %d validation pairs, %d steps", len(data.train), len(data.validation),
+             steps)
+    result = train_reward_model(model, tokenizer, data.train, data.validation or data.onpolicy, cfg, on_log=on_log,
+                                eval_every=max(1, steps // EVALS_PER_TRAINING))
     client = MlflowClient()
     for start in range(0, len(curve), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=curve[start : start + MAX_METRICS_PER_BATCH])
-    return steps
+    best = result.best_epoch if result.best_epoch is not None else cfg.epochs
+    return {"refresh/train_steps": float(steps), "refresh/best_epoch": float(best)}
 
 
 def promotion(heldout_before: float, heldout_after: float, tolerance: float) -> tuple[bool, str]:
     """(promote?, why): promote when held-out accuracy is at least the old RM's minus ``tolerance``."""
     if heldout_after >= heldout_before - tolerance:
-        return True, (f"promoted: held-out accuracy {heldout_after:.3f} >= {heldout_before:.3f} of the old RM "
-                      f"(tolerance {tolerance})")
+        if tolerance == 0:
+            return True, f"promoted: held-out accuracy {heldout_after:.3f} >= {heldout_before:.3f} of the old RM"
+        return True, (f"promoted: held-out accuracy {heldout_after:.3f} >= {heldout_before - tolerance:.3f} (the old "
+                      f"RM's {heldout_before:.3f} minus the tolerance {tolerance})")
     return False, (f"not promoted: held-out accuracy fell from {heldout_before:.3f} to {heldout_after:.3f} (tolerance "
                    f"{tolerance}); champion and the RM PPO uses stay as they were")
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import default_out, machine, median, peak_rss_mib, write_result
-from benchmarks.fixtures import FixtureSpec, build_fixture
+from benchmarks.fixtures import build_fixture
 from benchmarks.ppo_vs_trl.settings import Settings
 
 GENERATORS = ("ours", "hf_generate", "hf_generate_scores")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.models import load_reward_model
 from rlhf_core.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
@@ -64,3 +67,32 @@ def test_margin_makes_the_loss_demand_a_gap(tiny_reward_dir, tokenizer):
     )
     # Same weights (lr 0): the margin shifts the logit by 5, so the loss must be much larger.
     assert with_margin.train_loss[0] > plain.train_loss[0] + 3.0
+
+
+def test_best_epoch_selection_keeps_the_weights_with_the_lowest_eval_loss(tiny_reward_dir, tokenizer):
+    """Eval pairs that contradict the training pairs: every epoch makes the eval loss worse, so the weights
+    from before training come back bit for bit; eval pairs like the training ones keep a trained epoch."""
+    train = planted_pairs(200, seed=0)
+    flipped = [PreferencePair(p.prompt, p.rejected, p.chosen) for p in planted_pairs(100, seed=1)]
+    config = RewardTrainingConfig(epochs=3, batch_size=16, learning_rate=3e-3, max_length=64, select_best_epoch=True)
+    model = load_reward_model(str(tiny_reward_dir))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    undone = train_reward_model(model, tokenizer, train, flipped, config)
+    losses = [e.loss for _, e in undone.evals]
+    assert [step for step, _ in undone.evals] == [0, 13, 26, 39, 39]  # before, after each epoch, the kept one
+    assert losses[1] > losses[0] and undone.best_epoch == 0 and undone.final_eval == undone.evals[0][1]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    model = load_reward_model(str(tiny_reward_dir))
+    kept = train_reward_model(model, tokenizer, train, planted_pairs(100, seed=1), config)
+    eval_losses = [e.loss for _, e in kept.evals[:4]]
+    assert kept.best_epoch == min(range(4), key=eval_losses.__getitem__) > 0
+    again = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, planted_pairs(100, seed=1), 64))
+    assert again.loss == pytest.approx(kept.final_eval.loss, abs=1e-6) == eval_losses[kept.best_epoch]
+
+
+def test_best_epoch_selection_needs_eval_pairs(tiny_reward_dir, tokenizer):
+    model = load_reward_model(str(tiny_reward_dir))
+    with pytest.raises(ValueError, match="select_best_epoch needs eval pairs"):
+        train_reward_model(model, tokenizer, planted_pairs(8, seed=0), [],
+                           RewardTrainingConfig(epochs=1, select_best_epoch=True))

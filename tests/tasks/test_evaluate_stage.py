@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import mlflow
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,6 +26,7 @@ from tasks.retries import retry_on_transient_io
 from tasks.evaluate import (CHAMPION, EVAL_SAMPLES, HACKING_CODES, STATUS_TAG, EvalResult, heldout_eval_task,
                             run_heldout_eval)
 from tasks.state import StateDir
+from tests.stage_tracking import module_tracking
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 N_PROMPTS = 6
@@ -36,27 +36,10 @@ WORD_PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red
                 "a small star", "fast blue tree", "q slow dog"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10x.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    """One MLflow store for the module (creating the SQLite schema takes seconds); tests use unique names."""
-    state = StateDir(tmp_path_factory.mktemp("eval-tracking") / "state")
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tracking, "_state", tracking._state)
-        patch.setattr(tracking, "_own_uri", tracking._own_uri)
-        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
-        tracking.configure_tracking(state)
+    with module_tracking(tmp_path_factory.mktemp("eval-tracking")) as state:
         yield state
-    mlflow.set_tracking_uri(previous)
 
 
 # --- tiny models ---------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import mlflow
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -20,31 +19,17 @@ from tasks import tracking
 from tasks.config import load_config
 from tasks.ppo import run_ppo_iteration
 from tasks.state import StateDir
+from tests.stage_tracking import module_tracking
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box", "the moon sat on a mat",
            "a small star", "fast blue tree", "q slow dog"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    state = StateDir(tmp_path_factory.mktemp("ppo-lora-tracking") / "state")
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tracking, "_state", tracking._state)
-        patch.setattr(tracking, "_own_uri", tracking._own_uri)
-        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
-        tracking.configure_tracking(state)
+    with module_tracking(tmp_path_factory.mktemp("ppo-lora-tracking")) as state:
         yield state
-    mlflow.set_tracking_uri(previous)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import mlflow
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -25,18 +24,11 @@ from tasks.io import write_parquet
 from tasks.reward_model import (SCORES_PNG, RewardModelResult, pair_scores, read_pairs,
                                 retry_on_transient_io_or_registry, reward_model_task, run_reward_model)
 from tasks.state import StateDir
+from tests.stage_tracking import module_tracking
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
 PROXY, HELDOUT = "test-proxy-rm", "test-heldout-rm"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared 2-core machine: threads only add overhead
-    yield
-    torch.set_num_threads(threads)
 
 
 def planted_pairs(n: int, seed: int) -> list[dict[str, object]]:
@@ -82,17 +74,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    """One SQLite store for the module (creating its schema takes seconds)."""
-    root = tmp_path_factory.mktemp("rm-mlflow")
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tracking, "_state", tracking._state)  # restored for later modules
-        patch.setattr(tracking, "_own_uri", tracking._own_uri)
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-        state = StateDir(root / "state")
-        tracking.configure_tracking(state)
+    with module_tracking(tmp_path_factory.mktemp("rm-mlflow")) as state:
         yield state
-    mlflow.set_tracking_uri(previous)
 
 
 @pytest.fixture(scope="module")

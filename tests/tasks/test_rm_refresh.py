@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import mlflow
 import pandas as pd
 import pytest
 import torch
@@ -36,17 +35,10 @@ from tasks.reward_model import read_pairs
 from tasks.rm_refresh import (CHAMPION, LabelsPendingError, RefreshResult, build_annotator, rm_refresh_task,
                               run_rm_refresh, split_by_prompt)
 from tasks.state import StateDir
+from tests.stage_tracking import module_tracking
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared 2-core machine: threads only add overhead
-    yield
-    torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------- labelling
@@ -181,16 +173,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    root = tmp_path_factory.mktemp("refresh-mlflow")
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tracking, "_state", tracking._state)  # restored for later modules
-        patch.setattr(tracking, "_own_uri", tracking._own_uri)
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-        state = StateDir(root / "state")
-        tracking.configure_tracking(state)
+    with module_tracking(tmp_path_factory.mktemp("refresh-mlflow")) as state:
         yield state
-    mlflow.set_tracking_uri(previous)
 
 
 @pytest.fixture(scope="module")
@@ -279,13 +263,23 @@ def test_a_refresh_that_loses_held_out_accuracy_is_registered_but_not_promoted(
     client = MlflowClient()
     assert int(client.get_model_version_by_alias(name, CHAMPION).version) == 1
     assert int(client.get_model_version_by_alias(name, "candidate").version) == 2
-    # The next refresh trains on these labels again even though this refresh was not promoted.
-    again = run_rm_refresh(config, 2, inputs.policy, old.uri, inputs.judge, inputs.train, inputs.heldout_flipped,
+    # The next refresh trains on these labels again even though this refresh was not promoted; this one
+    # also holds a quarter of its fresh training prompts back to choose the epoch it keeps.
+    validated = refresh_config(name, "refresh.keep_old_pairs=true", "refresh.old_pairs_ratio=0.5",
+                               "refresh.validation_fraction=0.25")
+    again = run_rm_refresh(validated, 2, inputs.policy, old.uri, inputs.judge, inputs.train, inputs.heldout_flipped,
                            inputs.prompts, str(tmp_path), parent_id, earlier_pairs=[result.pairs_path])
     n = again.metrics
-    assert n["refresh/n_earlier_refresh_pairs"] == m["refresh/n_train_new"] > 0
+    assert n["refresh/n_earlier_refresh_pairs"] == m["refresh/n_train_new"] > 0 and m["refresh/n_validation"] == 0
     wanted = round(0.5 * (n["refresh/n_train_new"] + n["refresh/n_earlier_refresh_pairs"]))
     assert n["refresh/n_old_replayed"] == min(wanted, len(read_pairs(inputs.train)))  # at most all old pairs
+    assert n["refresh/n_new_pairs"] == n["refresh/n_train_new"] + n["refresh/n_validation"] + n["refresh/n_onpolicy_eval"]
+    assert n["refresh/n_validation"] >= 10 and n["refresh/best_epoch"] in range(7) and m["refresh/best_epoch"] == 6
+    # validation pairs are saved with the refresh-train pairs: later refreshes train on every label
+    saved = read_parquet(again.pairs_path, PREFERENCE_PAIRS)
+    assert len(saved) == n["refresh/n_train_new"] + n["refresh/n_validation"]
+    history = MlflowClient().get_metric_history(again.mlflow_run_id, "refresh/eval/loss")
+    assert history[0].step == 0 and len(history) >= 7  # validation loss before training and after each epoch
 
 
 def test_file_annotator_exports_then_trains_on_the_returned_labels(inputs: SimpleNamespace, parent_id: str,
@@ -333,6 +327,8 @@ def test_refresh_settings_are_validated() -> None:
         load_config(preset="tiny", overrides=["refresh.labels_file=x.csv"])
     with pytest.raises(ConfigError, match="on_policy_eval_fraction must be in"):
         load_config(preset="tiny", overrides=["refresh.on_policy_eval_fraction=1.0"])
+    with pytest.raises(ConfigError, match="validation_fraction"):
+        load_config(preset="tiny", overrides=["refresh.validation_fraction=1.0"])
     cfg = load_config(preset="tiny", overrides=["data.source=files", "data.files=[a.csv]", "refresh.annotator=file"])
     assert cfg.refresh.enabled  # user data can be refreshed by people or a judge, not by the demo's annotator
     with pytest.raises(ConfigError, match="refresh.annotator='simulated' needs data.source='demo'"):

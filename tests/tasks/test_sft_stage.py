@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,15 +28,6 @@ TINY = SFTStageConfig(
     eval_prompts=16,
     generation=GenerationConfig(max_new_tokens=40, batch_size=16),
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10x.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
