@@ -2,7 +2,8 @@
 
 Same global batches, split between the processes: the reward model sees the same 21 pairs in batches of 8
 (the short last batch splits 3 / 2), the PPO update the same rollout batch, shuffles and micro-batches. ZeRO-2
-trains a policy with a value head, ZeRO-3 with CPU offload of parameters and optimizer a policy and a critic.
+trains a policy with a value head, ZeRO-3 with CPU offload of parameters and optimizer a policy and a critic,
+ZeRO-2 again a LoRA policy (reference = adapter disabled) with a value head and a reward model with an adapter.
 What may differ is float summation order (gradients summed over ranks, bucketed reductions), so weights are
 compared relative to how far training moved them. Adam turns a gradient near its eps (1e-8) into a step of
 ~lr whatever its exact value, so a weight whose gradient is ~1e-9 can differ by a fraction of lr (seen: 2e-4
@@ -45,7 +46,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     build_experience(folder)
     mp.spawn(worker, args=(WORLD_SIZE, _free_port(), str(folder)), nprocs=WORLD_SIZE, join=True)
     distributed = torch.load(folder / "distributed.pt", weights_only=False)
-    local = {"rm": train_rm(None)}
+    local = {"rm": train_rm(None), "rm_lora": train_rm(None, lora=True)}
     for name, (_, value_model) in CASES.items():
         local[f"{name}/ppo"] = update_ppo(None, value_model, folder)
     return local, distributed
@@ -69,7 +70,7 @@ def relative_diff(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], st
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reward_model_training_matches_one_process(runs, case):
     local, distributed = runs
-    one, two = local["rm"], distributed[f"{case}/rm"]
+    one, two = local["rm_lora" if CASES[case][1] == "lora" else "rm"], distributed[f"{case}/rm"]
     assert len(two["loss"]) == len(one["loss"]) == 3
     assert two["loss"] == pytest.approx(one["loss"], abs=LOSS_TOL)
     assert two["accuracy"] == pytest.approx(one["accuracy"], abs=1e-9)
@@ -91,7 +92,10 @@ def test_ppo_update_matches_one_process(runs, case):
     for name in ("policy_loss", "value_loss", "entropy", "approx_kl", "ratio_mean", "policy_grad_norm",
                  "value_grad_norm", "learning_rate", "clipfrac"):
         assert getattr(two["stats"], name) == pytest.approx(getattr(one["stats"], name), rel=1e-4, abs=1e-6), name
-    assert one["stats"].policy_grad_norm > 0.5  # clipping (max_grad_norm 0.5) was active and had to match
+    if CASES[case][1] == "lora":  # B starts at 0: only B gets a gradient in the first step, below the clip
+        assert one["stats"].policy_grad_norm > 0.05
+    else:
+        assert one["stats"].policy_grad_norm > 0.5  # clipping (max_grad_norm 0.5) was active and had to match
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

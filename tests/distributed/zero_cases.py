@@ -11,14 +11,16 @@ import logging
 import os
 import random
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
+from rlhf_core.config import GenerationConfig, LoRAConfig, PPOConfig, RewardTrainingConfig
 from rlhf_core.experience import Experience, PPOModels, collect_experience
+from rlhf_core.lora import lora_policy
 from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
 from rlhf_core.ppo import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
 from rlhf_core.ppo_loop import train_ppo
@@ -37,7 +39,9 @@ ZERO2: dict[str, Any] = json.loads((INFRA / "zero2.json").read_text())
 # offload, not a compiler.
 ZERO3_OFFLOAD: dict[str, Any] = {**json.loads((INFRA / "zero3_offload.json").read_text()),
                                  "zero_force_ds_cpu_optimizer": False}
-CASES = {"zero2": (ZERO2, "head"), "zero3_offload": (ZERO3_OFFLOAD, "critic")}
+CASES = {"zero2": (ZERO2, "head"), "zero3_offload": (ZERO3_OFFLOAD, "critic"), "zero2_lora": (ZERO2, "lora")}
+"""name: (DeepSpeed config, value model). ``lora``: LoRA policy, adapter-disabled reference, value head, and
+the reward model trained with an adapter (ZeRO-3 refuses LoRA: frozen weights in a trained model)."""
 
 
 # --------------------------------------------------------------------------------------------- reward model
@@ -55,10 +59,12 @@ def preference_pairs(n: int, seed: int) -> list[PreferencePair]:
 
 
 RM_CONFIG = RewardTrainingConfig(epochs=1, batch_size=8, learning_rate=3e-3, max_length=32, center_rewards_coef=0.01)
+LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
 
 
-def train_rm(make_strategy: StrategyFactory | None) -> dict[str, Any]:
-    """21 pairs in batches of 8: the last batch (5 pairs) splits 3 / 2 over two processes."""
+def train_rm(make_strategy: StrategyFactory | None, lora: bool = False) -> dict[str, Any]:
+    """21 pairs in batches of 8: the last batch (5 pairs) splits 3 / 2 over two processes. With ``lora`` an
+    adapter trains and is merged at the end, so the weights compared are plain ones."""
     model = rm_model()
     grad_norms: list[float] = []
 
@@ -66,7 +72,8 @@ def train_rm(make_strategy: StrategyFactory | None) -> dict[str, Any]:
         if "rm/train/grad_norm" in metrics:
             grad_norms.append(metrics["rm/train/grad_norm"])
 
-    result = train_reward_model(model, word_tokenizer(), preference_pairs(21, 0), preference_pairs(6, 1), RM_CONFIG,
+    result = train_reward_model(model, word_tokenizer(), preference_pairs(21, 0), preference_pairs(6, 1),
+                                replace(RM_CONFIG, lora=LORA) if lora else RM_CONFIG,
                                 on_log=on_log, make_strategy=make_strategy)
     return {"loss": result.train_loss, "accuracy": result.train_accuracy, "eval_loss": result.final_eval.loss,
             "grad_norm": grad_norms, "weights": _weights(model, make_strategy)}
@@ -95,12 +102,13 @@ PPO_CONFIG = PPOConfig(rollout_batch_size=16, mini_batch_size=8, micro_batch_siz
 
 
 def ppo_models(value_model: str) -> PPOModels:
-    """Tiny policy, its frozen reference, a counting scorer and a value head or a critic."""
+    """Tiny policy, its frozen reference, a counting scorer and a value head or a critic; ``lora``: a LoRA
+    policy whose reference is the same weights with the adapter disabled, and a value head."""
     torch.manual_seed(0)
     policy = disable_dropout(GPT2LMHeadModel(gpt2_config(VOCAB)))
-    common = dict(policy=policy, reference=make_reference(policy), scorer=CountSeven(), stop_token_ids=(EOS,),
-                  pad_token_id=PAD)
-    if value_model == "head":
+    policy, reference = lora_policy(policy, LORA) if value_model == "lora" else (policy, make_reference(policy))
+    common = dict(policy=policy, reference=reference, scorer=CountSeven(), stop_token_ids=(EOS,), pad_token_id=PAD)
+    if value_model in ("head", "lora"):
         return PPOModels(**common, value_head=ValueHead(32))
     torch.manual_seed(1)
     return PPOModels(**common, critic=Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1))))
@@ -108,7 +116,7 @@ def ppo_models(value_model: str) -> PPOModels:
 
 def build_experience(path: Path) -> None:
     """The rollout batch every run updates on, generated once in one process."""
-    for value_model in ("head", "critic"):
+    for value_model in ("head", "critic", "lora"):
         experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, BETA,
                                                  torch.Generator().manual_seed(0), RunningMoments())
         torch.save(experience, path / f"experience_{value_model}.pt")
@@ -176,7 +184,7 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
     out: dict[str, Any] = {}
     for name, (ds_config, value_model) in CASES.items():
         rm = DeepSpeedFactory(ds_config, micro_batch_size=-(-RM_CONFIG.batch_size // world_size))
-        out[f"{name}/rm"] = train_rm(rm)
+        out[f"{name}/rm"] = train_rm(rm, lora=value_model == "lora")
         ppo = DeepSpeedFactory(ds_config, micro_batch_size=PPO_CONFIG.micro_batch_size)
         out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder))
         step = sharded_ppo_step(DeepSpeedFactory(ds_config, micro_batch_size=4), value_model)
@@ -191,7 +199,9 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
 def _all_ranks(step: dict[str, Any]) -> list[Any]:
     import torch.distributed as dist
 
-    mine = (step["stats"].rollout, step["generator"], step["policy"]["transformer.h.0.attn.c_attn.weight"])
+    policy = step["policy"]
+    trained = next((k for k in sorted(policy) if "lora_B" in k), "transformer.h.0.attn.c_attn.weight")
+    mine = (step["stats"].rollout, step["generator"], policy[trained])
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
