@@ -130,7 +130,8 @@ def evaluate_reward_model(
     chosen_all, rejected_all, scorer = [], [], SequenceScorer(model)
     for start in range(0, len(encoded.chosen), batch_size):
         c, r = _pair_scores(
-            scorer, encoded.chosen[start : start + batch_size], encoded.rejected[start : start + batch_size], pad_id(tokenizer)
+            scorer, encoded.chosen[start : start + batch_size], encoded.rejected[start : start + batch_size],
+            pad_id(tokenizer),
         )
         chosen_all.append(c)
         rejected_all.append(r)

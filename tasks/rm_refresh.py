@@ -168,7 +168,8 @@ def run_rm_refresh(config: PipelineConfig, iteration: int, policy_uri: str, prox
         new_dir = atomic_write_dir(here / "reward_model", lambda tmp: _save(model, tokenizer, tmp))
         ref = register_model_dir(new_dir, config.tracking.reward_model, run_id, aliases=ALIASES)
         promoted, reason = promotion(metrics["refresh/heldout_accuracy_before"],
-                                     metrics["refresh/heldout_accuracy_after"], config.refresh.promotion_tolerance)
+                                     metrics["refresh/heldout_accuracy_after"], config.refresh.promotion_tolerance,
+                                     changed=metrics["refresh/best_epoch"] > 0)
         if promoted:
             set_alias(config.tracking.reward_model, CHAMPION, ref.version)
         metrics["refresh/promoted"] = float(promoted)
@@ -389,8 +390,13 @@ def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     return {"refresh/train_steps": float(steps), "refresh/best_epoch": float(best)}
 
 
-def promotion(heldout_before: float, heldout_after: float, tolerance: float) -> tuple[bool, str]:
-    """(promote?, why): promote when held-out accuracy is at least the old RM's minus ``tolerance``."""
+def promotion(heldout_before: float, heldout_after: float, tolerance: float, changed: bool = True) -> tuple[bool, str]:
+    """(promote?, why): promote when held-out accuracy is at least the old RM's minus ``tolerance``. A refresh
+    that kept the weights from before training (``changed=False``) is not promoted: the same RM under a new
+    version would only restart the detector's history."""
+    if not changed:
+        return False, ("not promoted: no epoch lowered the validation loss, so the refreshed RM is the old one; "
+                       "champion and the RM PPO uses stay as they were")
     if heldout_after >= heldout_before - tolerance:
         if tolerance == 0:
             return True, f"promoted: held-out accuracy {heldout_after:.3f} >= {heldout_before:.3f} of the old RM"

@@ -32,7 +32,7 @@ from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_parquet, write_parquet
 from tasks.labelling import export_unlabelled, import_labels
 from tasks.reward_model import read_pairs
-from tasks.rm_refresh import (CHAMPION, LabelsPendingError, RefreshResult, build_annotator, rm_refresh_task,
+from tasks.rm_refresh import (CHAMPION, LabelsPendingError, RefreshResult, build_annotator, promotion, rm_refresh_task,
                               run_rm_refresh, split_by_prompt)
 from tasks.state import StateDir
 from tests.stage_tracking import module_tracking
@@ -273,7 +273,8 @@ def test_a_refresh_that_loses_held_out_accuracy_is_registered_but_not_promoted(
     assert n["refresh/n_earlier_refresh_pairs"] == m["refresh/n_train_new"] > 0 and m["refresh/n_validation"] == 0
     wanted = round(0.5 * (n["refresh/n_train_new"] + n["refresh/n_earlier_refresh_pairs"]))
     assert n["refresh/n_old_replayed"] == min(wanted, len(read_pairs(inputs.train)))  # at most all old pairs
-    assert n["refresh/n_new_pairs"] == n["refresh/n_train_new"] + n["refresh/n_validation"] + n["refresh/n_onpolicy_eval"]
+    fresh = n["refresh/n_train_new"] + n["refresh/n_validation"] + n["refresh/n_onpolicy_eval"]
+    assert n["refresh/n_new_pairs"] == fresh
     assert n["refresh/n_validation"] >= 10 and n["refresh/best_epoch"] in range(7) and m["refresh/best_epoch"] == 6
     # validation pairs are saved with the refresh-train pairs: later refreshes train on every label
     saved = read_parquet(again.pairs_path, PREFERENCE_PAIRS)
@@ -320,6 +321,15 @@ def test_the_file_annotator_without_an_export_and_the_annotator_choice(inputs: S
     simulated = build_annotator(load_config(preset="tiny", overrides=["refresh.annotator_temperature=0.5"]), 1, "x")
     assert isinstance(simulated.labeller, SimulatedAnnotator) and simulated.labeller.temperature == 0.5
     assert rm_refresh_task.name == "rm-refresh" and rm_refresh_task.retries == 1
+
+
+def test_promotion_rule() -> None:
+    assert promotion(0.70, 0.70, 0.0)[0] and not promotion(0.70, 0.69, 0.0)[0]
+    promoted, reason = promotion(0.70, 0.69, 0.02)
+    assert promoted and "0.690 >= 0.680" in reason
+    # best-epoch selection kept the weights from before training: nothing new to promote
+    promoted, reason = promotion(0.70, 0.70, 0.02, changed=False)
+    assert not promoted and "no epoch lowered the validation loss" in reason
 
 
 def test_refresh_settings_are_validated() -> None:
