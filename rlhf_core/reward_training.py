@@ -187,11 +187,17 @@ def train_reward_model(
     order = list(range(len(train.chosen)))
     rng = random.Random(config.seed)
     step = 0
+
+    def evaluate_unless_done() -> None:
+        """Evaluate at ``step`` (and log it) unless the last evaluation was already there."""
+        if not result.evals or result.evals[-1][0] != step:
+            evaluation = _record_eval(model, tokenizer, held_out, step, result, config)
+            if on_log is not None:
+                on_log(step, evaluation)
+
     best = _BestEpoch() if config.select_best_epoch else None
     if best is not None:
-        initial = _record_eval(model, tokenizer, held_out, step, result, config)
-        if on_log is not None:
-            on_log(step, initial)
+        evaluate_unless_done()
         best.consider(0, result.evals[-1][1], model)
     for epoch in range(1, config.epochs + 1):
         rng.shuffle(order)
@@ -205,15 +211,10 @@ def train_reward_model(
             if on_log is not None:
                 on_log(step, metrics)
         if best is not None:
-            if result.evals[-1][0] != step:
-                after_epoch = _record_eval(model, tokenizer, held_out, step, result, config)
-                if on_log is not None:
-                    on_log(step, after_epoch)
+            evaluate_unless_done()
             best.consider(epoch, result.evals[-1][1], model)
-    if held_out is not None and (not result.evals or result.evals[-1][0] != step):
-        final = _record_eval(model, tokenizer, held_out, step, result, config)
-        if on_log is not None:
-            on_log(step, final)
+    if held_out is not None:
+        evaluate_unless_done()
     if best is not None:
         result.best_epoch = best.restore(model, config.epochs)
         result.evals.append((step, best.evaluation))  # final_eval describes the weights returned

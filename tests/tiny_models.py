@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 WORDS = [
@@ -31,3 +37,17 @@ def gpt2_config(vocab_size: int, **overrides: int) -> GPT2Config:
     )
     settings.update(overrides)
     return GPT2Config(**settings)
+
+
+def save_ppo_inputs(root: Path, prompts: Sequence[str]) -> dict[str, str]:
+    """What a ppo-iteration stage reads, saved under ``root``: a word-tokenizer GPT-2 policy (seed 0), a reward
+    model of the same shape (seed 1) and a prompt table. -> {"sft": dir, "rm": dir, "prompts": parquet}."""
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2_config(len(tokenizer))).save_pretrained(root / "sft")
+    torch.manual_seed(1)
+    GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1)).save_pretrained(root / "rm")
+    for name in ("sft", "rm"):
+        tokenizer.save_pretrained(root / name)
+    pq.write_table(pa.table({"prompt": list(prompts)}), root / "prompts.parquet")
+    return {"sft": str(root / "sft"), "rm": str(root / "rm"), "prompts": str(root / "prompts.parquet")}

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import socket
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,7 +21,7 @@ from tasks.config import ConfigError, DistributedSection, load_config
 from tasks.launch import _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
 from tasks.ppo import build_models, load_prompts
 from tests.distributed.zero_cases import preference_pairs
-from tests.tiny_models import gpt2_config, word_tokenizer
+from tests.tiny_models import gpt2_config, save_ppo_inputs, word_tokenizer
 
 PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box", "the moon sat on a mat",
            "a small star", "fast blue tree", "q slow dog"]
@@ -131,16 +129,9 @@ def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_pa
 @pytest.mark.slow
 def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path):
     tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    GPT2LMHeadModel(gpt2_config(len(tokenizer))).save_pretrained(tmp_path / "sft")
-    torch.manual_seed(1)
-    GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1)).save_pretrained(tmp_path / "rm")
-    for name in ("sft", "rm"):
-        tokenizer.save_pretrained(tmp_path / name)
-    pq.write_table(pa.table({"prompt": PROMPTS}), tmp_path / "prompts.parquet")
+    saved = save_ppo_inputs(tmp_path, PROMPTS)
     config = pipeline_config()
-    inputs = {"reference_dir": str(tmp_path / "sft"), "reward_dir": str(tmp_path / "rm"),
-              "prompts_file": str(tmp_path / "prompts.parquet")}
+    inputs = {"reference_dir": saved["sft"], "reward_dir": saved["rm"], "prompts_file": saved["prompts"]}
     models = build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer)
     prompts = load_prompts(inputs["prompts_file"], tokenizer, 64 - 16)
     logged = []

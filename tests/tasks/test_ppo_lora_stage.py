@@ -6,12 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file, load_model
-from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from rlhf_core.checkpoint import trainable_view
 from rlhf_core.lora import lora_policy
@@ -20,7 +18,7 @@ from tasks.config import load_config
 from tasks.ppo import run_ppo_iteration
 from tasks.state import StateDir
 from tests.stage_tracking import module_tracking
-from tests.tiny_models import gpt2_config, word_tokenizer
+from tests.tiny_models import save_ppo_inputs
 
 PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box", "the moon sat on a mat",
            "a small star", "fast blue tree", "q slow dog"]
@@ -34,16 +32,7 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    tokenizer = word_tokenizer()
-    root = tmp_path_factory.mktemp("ppo-lora-inputs")
-    torch.manual_seed(0)
-    GPT2LMHeadModel(gpt2_config(len(tokenizer))).save_pretrained(root / "sft")
-    torch.manual_seed(1)
-    GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1)).save_pretrained(root / "rm")
-    for name in ("sft", "rm"):
-        tokenizer.save_pretrained(root / name)
-    pq.write_table(pa.table({"prompt": PROMPTS}), root / "prompts.parquet")
-    return {"sft": str(root / "sft"), "rm": str(root / "rm"), "prompts": str(root / "prompts.parquet")}
+    return save_ppo_inputs(tmp_path_factory.mktemp("ppo-lora-inputs"), PROMPTS)
 
 
 def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(state: StateDir, inputs: dict[str, str],
