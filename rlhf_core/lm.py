@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rlhf_core.models import fuse_activations
 from rlhf_core.tokenizer import check_special_tokens
 
 
@@ -118,7 +119,7 @@ def build_causal_lm(config: GPT2Config, seed: int | None = None) -> GPT2LMHeadMo
     """A freshly initialised GPT-2 language model (the policy). ``seed`` makes the weights reproducible."""
     if seed is not None:
         torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model = fuse_activations(GPT2LMHeadModel(config))
     # generate() reads its stop and pad ids from here; keep them in step with the tokenizer's.
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
@@ -137,7 +138,7 @@ def build_reward_model(config: GPT2Config, seed: int | None = None) -> GPT2ForSe
     rm_config.num_labels = 1
     if seed is not None:
         torch.manual_seed(seed)
-    return GPT2ForSequenceClassification(rm_config)
+    return fuse_activations(GPT2ForSequenceClassification(rm_config))
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:

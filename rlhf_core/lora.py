@@ -13,6 +13,7 @@ The adapter starts with ``B = 0``: at step 0 the LoRA policy equals the referenc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -131,8 +132,18 @@ class AdapterDisabled(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 - same signature as the wrapped model
         """The base model's forward (same arguments and outputs as the policy's)."""
-        with torch.no_grad(), self.policy.disable_adapter():
+        with self._adapter_off():
             return self.policy(*args, **kwargs)
+
+    def runs_under(self) -> tuple[PeftModel, contextlib.AbstractContextManager]:
+        """(the policy, a context in which it computes this reference's outputs): lets
+        :func:`rlhf_core.models.policy_forward` take the same (head-only) path for the reference as for the policy."""
+        return self.policy, self._adapter_off()
+
+    @contextlib.contextmanager
+    def _adapter_off(self) -> Iterator[None]:
+        with torch.no_grad(), self.policy.disable_adapter():
+            yield
 
     @torch.no_grad()
     def refresh(self, optimizer: torch.optim.Optimizer | None = None, seed: int = 0) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
+from rlhf_core.lm_head import split_lm_head
 from rlhf_core.masking import entropy_from_logits, last_token_index, logprobs_from_logits
 from rlhf_core.packing import padded_forward
 
@@ -27,6 +28,23 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def fuse_activations(model: nn.Module) -> nn.Module:
+    """Swap Python-level tanh-GELUs (GPT-2's ``gelu_new``, ``gelu_fast``) for torch's fused kernel, in place.
+
+    ``NewGELUActivation`` / ``FastGELUActivation`` compute ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
+    as five separate elementwise ops (each with its own backward), a sixth of a small GPT-2's PPO update on
+    CPU; ``F.gelu(approximate="tanh")`` is the same function in one kernel (equal within float rounding).
+    The saved config is unchanged: a checkpoint written after this still loads as the original model.
+    """
+    from transformers.activations import FastGELUActivation, GELUTanh, NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) in (NewGELUActivation, FastGELUActivation):
+                setattr(module, name, GELUTanh())
+    return model
+
+
 def freeze(model: nn.Module) -> nn.Module:
     """Eval mode, no gradients, no dropout: for the reference and reward models."""
     model.eval()
@@ -36,7 +54,7 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM (Hugging Face id or local directory) with dropout off."""
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+    return fuse_activations(disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=dtype)))
 
 
 def make_reference(policy: nn.Module) -> nn.Module:
@@ -46,7 +64,7 @@ def make_reference(policy: nn.Module) -> nn.Module:
 
 def load_reward_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a 1-label sequence classifier and check it really has one output."""
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype))
     if model.config.num_labels != 1:
         raise ValueError(
             f"reward model at {path} has num_labels={model.config.num_labels}; a reward model needs "
@@ -148,16 +166,38 @@ def policy_forward(
 ) -> PolicyOutput:
     """Log-probs of the response tokens (temperature applied), optional entropy and head values.
 
-    input_ids, attention_mask: (B, Tq + Tr); the response is ``input_ids[:, query_len:]``.
+    input_ids, attention_mask: (B, Tq + Tr); the response is ``input_ids[:, query_len:]``. A module that runs
+    another model under a context (``runs_under()``, the LoRA reference) is computed as that model in it.
     """
-    out = padded_forward(policy, input_ids, attention_mask, output_hidden_states=value_head is not None)
-    logits = response_slice(out.logits, query_len)  # (B, Tr, V)
-    logprobs = logprobs_from_logits(logits, input_ids[:, query_len:], temperature)
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
-    values = None
-    if value_head is not None:
-        values = value_head(response_slice(out.hidden_states[-1], query_len))
+    runs_under = getattr(policy, "runs_under", None)
+    if callable(runs_under):
+        model, context = runs_under()
+        with context:
+            return policy_forward(model, input_ids, attention_mask, query_len, temperature, value_head, with_entropy)
+    tokens = input_ids[:, query_len:]
+    split = split_lm_head(policy)
+    if split is None:
+        out = padded_forward(policy, input_ids, attention_mask, output_hidden_states=value_head is not None)
+        logits = response_slice(out.logits, query_len)  # (B, Tr, V)
+        logprobs = logprobs_from_logits(logits, tokens, temperature)
+        entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+        hidden = response_slice(out.hidden_states[-1], query_len) if value_head is not None else None
+    else:
+        # The LM head (and the log-softmax over the vocabulary) only at the real response tokens: the prompt
+        # and padding positions' logits are never used, and (B, T, V) logits are a rollout's largest tensor.
+        backbone, head = split
+        hidden = response_slice(padded_forward(backbone, input_ids, attention_mask).last_hidden_state, query_len)
+        real = attention_mask[:, query_len:].bool()  # (B, Tr): the response mask
+        logits = head(hidden[real])  # (N, V)
+        logprobs = _scatter(real, logprobs_from_logits(logits, tokens[real], temperature))
+        entropy = _scatter(real, entropy_from_logits(logits, temperature)) if with_entropy else None
+    values = value_head(hidden) if value_head is not None else None
     return PolicyOutput(logprobs, entropy, values)
+
+
+def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(N,) values of the True entries of a (B, T) mask -> (B, T), 0 elsewhere. Differentiable."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def critic_forward(critic: Critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import GenerationConfig
+from rlhf_core.lm_head import split_lm_head
 from rlhf_core.masking import ended_with_stop, response_mask_from_stop
 
 
@@ -150,7 +151,10 @@ def _sample_loop(
     # afterwards, so attending to it is harmless. Step t passes the first query_len + t + 1 columns.
     attention = torch.cat([query_mask.long(), query_mask.new_ones((batch, config.max_new_tokens)).long()], dim=1)
     positions = positions_from_mask(attention[:, :query_len])
-    out = model(input_ids=query_ids, attention_mask=attention[:, :query_len], position_ids=positions, use_cache=True)
+    # Only the last prompt position's logits are used; models with a plain output layer skip the others.
+    last_only = {"logits_to_keep": 1} if split_lm_head(model) is not None else {}
+    out = model(input_ids=query_ids, attention_mask=attention[:, :query_len], position_ids=positions, use_cache=True,
+                **last_only)
     past, next_logits = out.past_key_values, out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1  # (B, 1)
     stops = torch.as_tensor(list(stop_token_ids), device=device, dtype=torch.long)

@@ -31,7 +31,7 @@ from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.data import PREFERENCE_PAIRS
 from rlhf_core.evaluation import spearman
 from rlhf_core.lm import build_reward_model, config_for_tokenizer
-from rlhf_core.models import load_reward_model, sequence_scores
+from rlhf_core.models import fuse_activations, load_reward_model, sequence_scores
 from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
 from rlhf_core.text import pad_id, right_pad
 from tasks.config import PipelineConfig, flatten_for_params
@@ -195,8 +195,8 @@ def _init_model(config: PipelineConfig, init_dir: str | None, tokenizer: PreTrai
     if init == "scratch":
         model = build_reward_model(config_for_tokenizer(tokenizer, config.sft.model_size), seed).to(dtype)
     elif init == "sft":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            init_dir, num_labels=1, dtype=dtype, pad_token_id=pad_id(tokenizer))
+        model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(
+            init_dir, num_labels=1, dtype=dtype, pad_token_id=pad_id(tokenizer)))
     else:
         model = load_reward_model(init_dir, dtype)
     # The head reads the last real token by looking for padding; the tokenizer's pad id must be the model's.

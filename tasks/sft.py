@@ -22,6 +22,7 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.data import PREFERENCE_PAIRS
 from rlhf_core.demo_eval import PolicyGoldReport, gold_report, record_from_row
 from rlhf_core.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
+from rlhf_core.models import fuse_activations
 from rlhf_core.sft import SFTConfig, SFTResult, eval_loss, train_sft
 from rlhf_core.tokenizer import train_bpe_tokenizer
 from tasks.retries import retry_on_transient_io
@@ -164,7 +165,8 @@ def build_policy(
 def load_policy(base_model: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer from a Hugging Face directory or cached model id."""
     try:
-        return AutoModelForCausalLM.from_pretrained(base_model), AutoTokenizer.from_pretrained(base_model)
+        model = fuse_activations(AutoModelForCausalLM.from_pretrained(base_model))
+        return model, AutoTokenizer.from_pretrained(base_model)
     except OSError as err:
         raise ValueError(
             f"base model {base_model!r} cannot be loaded ({err}); give a local Hugging Face directory "

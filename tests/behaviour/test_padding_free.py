@@ -1,11 +1,19 @@
-"""The speed paths of rlhf_core.packing and rlhf_core.rollout give the results of the plain ones: padding-free (packed) forwards
-equal padded forwards in values and gradients, and inverse-CDF sampling draws from the given distribution."""
+"""The speed paths of rlhf_core.packing, rlhf_core.rollout and rlhf_core.models give the results of the plain ones:
+padding-free (packed) forwards equal padded forwards in values and gradients, inverse-CDF sampling draws from the
+given distribution, the LM head applied at the response tokens only equals the full logits, and the fused GELU equals
+GPT-2's."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
+import pytest
 import torch
 from transformers import GPT2LMHeadModel, GPT2Model
+from transformers.activations import GELUTanh
 
+from rlhf_core.lm_head import split_lm_head
+from rlhf_core.models import ValueHead, fuse_activations, load_policy, policy_forward
 from rlhf_core.packing import pack, padded_forward, supports_packing
 from rlhf_core.rollout import positions_from_mask, sample_tokens
 from tests.tiny_models import gpt2_config
@@ -81,3 +89,70 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_probabilit
         counts[torch.arange(3), sample_tokens(probs, generator)] += 1
     assert (counts[probs == 0] == 0).all()
     torch.testing.assert_close(counts / 4000, probs, atol=0.03, rtol=0)
+
+
+def llama(vocab: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_head_only_policy_forward_equals_the_full_logits_path(family: str):
+    """Log-probs, entropy, head values and their gradients from the LM head applied at the response tokens
+    only equal those from the whole model's logits (``split_lm_head`` found, then forced off)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(24)) if family == "gpt2" else llama(24)
+    head = ValueHead(32)
+    ids, mask = batch()
+    query_len = 4
+    assert split_lm_head(model) is not None
+
+    def run(split: bool) -> tuple:
+        with patch("rlhf_core.models.split_lm_head", side_effect=lambda m: split_lm_head(m) if split else None):
+            out = policy_forward(model, ids, mask, query_len, 0.7, head, with_entropy=True)
+        real = mask[:, query_len:].bool()
+        loss = (out.logprobs[real].sum() + out.entropy[real].sum() + out.values[real].sum())
+        weight = next(p for n, p in model.named_parameters() if n.endswith("layers.0.self_attn.q_proj.weight")
+                      or n.endswith("h.0.attn.c_attn.weight"))
+        return out, real, torch.autograd.grad(loss, weight)[0]
+
+    fast, real, fast_grad = run(split=True)
+    full, _, full_grad = run(split=False)
+    for name in ("logprobs", "entropy", "values"):
+        torch.testing.assert_close(getattr(fast, name)[real], getattr(full, name)[real], atol=1e-5, rtol=1e-5)
+    assert (fast.logprobs[~real] == 0).all() and (fast.entropy[~real] == 0).all()  # never computed there
+    torch.testing.assert_close(fast_grad, full_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_split_lm_head_only_for_plain_heads():
+    model = GPT2LMHeadModel(gpt2_config(24))
+    backbone, head = split_lm_head(model)
+    assert backbone is model.transformer and head is model.lm_head
+    from rlhf_core.config import LoRAConfig
+    from rlhf_core.lora import lora_policy
+
+    policy, reference = lora_policy(GPT2LMHeadModel(gpt2_config(24)), LoRAConfig(enabled=True, rank=2))
+    inner = policy.get_base_model()
+    assert split_lm_head(policy) == (inner.transformer, inner.lm_head)  # the adapters live inside those modules
+    assert reference.runs_under()[0] is policy  # the reference takes the same path, adapter disabled
+    model.config.model_type = "gemma2"  # soft-caps its logits: the head alone would not give them
+    assert split_lm_head(model) is None
+    assert split_lm_head(torch.nn.Linear(2, 2)) is None
+
+
+def test_fused_gelu_is_gpt2s_gelu_and_checkpoints_keep_their_config(tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(24))
+    ids, mask = batch()
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    assert fuse_activations(model) is model
+    assert all(type(block.mlp.act) is GELUTanh for block in model.transformer.h)
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, expected, atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path)
+    assert GPT2LMHeadModel.from_pretrained(tmp_path).config.activation_function == "gelu_new"
+    loaded = load_policy(str(tmp_path))
+    assert all(type(block.mlp.act) is GELUTanh for block in loaded.transformer.h)
