@@ -80,7 +80,8 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _start(config_file: str | None, preset: str | None, overrides: list[str], state_dir: str | None) -> int:
-    from tasks.config import dump_config, load_config
+    from tasks.config import load_config
+    from tasks.typed_yaml import dump_config
 
     if state_dir is not None:
         overrides = [*overrides, f"state_dir={state_dir}"]

@@ -21,7 +21,7 @@ from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from flows.summary import build_summary, write_summary
 from tasks.baseline_eval import best_of_n_task
 from tasks.caching import cache_key_fn
-from tasks.config import PipelineConfig, dump_config, flatten_for_params, load_config
+from tasks.config import PipelineConfig, load_config
 from tasks.evaluate import heldout_eval_task
 from tasks.ppo import ppo_iteration_task
 from tasks.reward_model import reward_model_task
@@ -29,6 +29,7 @@ from tasks.rm_refresh import rm_refresh_task
 from tasks.stages import data_stage_task, sft_stage_task
 from tasks.state import RunRecord, StateDir
 from tasks.tracking import configure_tracking, log_file, pipeline_run
+from tasks.typed_yaml import dump_config, flatten_for_params
 
 #: Which config sections each stage reads (its cache key covers these, the seed, device and dtype).
 STAGE_SECTIONS = {

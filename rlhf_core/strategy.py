@@ -110,8 +110,15 @@ class StrategyFactory(Protocol):
 def local_optimizer(
     groups: Sequence[TrainableGroup], weight_decay: float, lr_lambda: LRLambda | None = None
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR | None]:
-    """One AdamW with a parameter group per trained model, and the LR schedule (None = constant)."""
-    optimizer = torch.optim.AdamW([{"params": g.params, "lr": g.lr} for g in groups], weight_decay=weight_decay)
+    """One AdamW with a parameter group per trained model, and the LR schedule (None = constant).
+
+    torch's fused AdamW (one kernel per step, the Hugging Face Trainer's default) when every parameter is a
+    floating-point CPU or CUDA tensor, its for-each implementation otherwise: the same update.
+    """
+    params = [p for g in groups for p in g.params]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    optimizer = torch.optim.AdamW([{"params": g.params, "lr": g.lr} for g in groups], weight_decay=weight_decay,
+                                  fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda is not None else None
     return optimizer, scheduler
 

@@ -16,7 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tasks.config import PipelineConfig, config_to_dict
+from tasks.config import PipelineConfig
+from tasks.typed_yaml import config_to_dict
 
 #: Parameters that name where a run writes, not what it computes.
 RUN_SPECIFIC = frozenset({"out_dir", "parent_run_id"})

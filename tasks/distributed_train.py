@@ -26,10 +26,11 @@ from rlhf_core.distributed import DeepSpeedFactory, init_distributed
 from rlhf_core.models import load_reward_model
 from rlhf_core.ppo_loop import train_ppo
 from rlhf_core.reward_training import PreferencePair, train_reward_model
-from tasks.config import PipelineConfig, load_config, section_from_dict
+from tasks.config import PipelineConfig, load_config
 from tasks.launch import DistributedJob, reward_history_to_json
 from tasks.ppo import build_models, load_prompts
 from tasks.runtime import device_of, dtype_of
+from tasks.typed_yaml import section_from_dict
 
 log = logging.getLogger("tasks.distributed_train")
 

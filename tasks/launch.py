@@ -30,7 +30,8 @@ from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.experience import PPOModels
 from rlhf_core.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
 from rlhf_core.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
-from tasks.config import DistributedSection, PipelineConfig, config_to_dict, dump_config
+from tasks.config import DistributedSection, PipelineConfig
+from tasks.typed_yaml import config_to_dict, dump_config
 
 log = logging.getLogger(__name__)
 

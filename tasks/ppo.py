@@ -26,13 +26,14 @@ from rlhf_core.models import Critic, ValueHead, load_policy, load_reward_model, 
 from rlhf_core.rollout import generate, left_pad
 from rlhf_core.scoring import RewardModelScorer, decode_rollout
 from rlhf_core.text import encode_prompt, pad_id
-from tasks.config import PipelineConfig, flatten_for_params
+from tasks.config import PipelineConfig
 from tasks.launch import run_ppo_training
 from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write_dir, read_frame, write_frame, write_json
 from tasks.plots import save_figure, training_curves
 from tasks.runtime import device_of, dtype_of, local_model
 from tasks.tracking import log_figure, log_file, log_metrics, log_params_flat, register_model_dir, stage_run
+from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 

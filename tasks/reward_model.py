@@ -34,13 +34,14 @@ from rlhf_core.lm import build_reward_model, config_for_tokenizer
 from rlhf_core.models import fuse_activations, load_reward_model, sequence_scores
 from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
 from rlhf_core.text import pad_id, right_pad
-from tasks.config import PipelineConfig, flatten_for_params
+from tasks.config import PipelineConfig
 from tasks.launch import fit_reward_model
 from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write_dir, read_parquet, write_json
 from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.runtime import device_of, dtype_of, local_model
 from tasks.tracking import get_alias_version, log_file, log_metrics, register_model_dir, set_alias, stage_run
+from tasks.typed_yaml import flatten_for_params
 
 if TYPE_CHECKING:
     from prefect import Task

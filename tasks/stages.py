@@ -9,13 +9,14 @@ from pathlib import Path
 
 from prefect import task
 
-from tasks.config import PipelineConfig, flatten_for_params
+from tasks.config import PipelineConfig
 from tasks.data_prep import run_data_prep
 from tasks.retries import retry_on_transient_io
 from tasks.demo_data import DemoDataConfig, run_demo_data_prep
 from tasks.io import read_frame, write_frame
 from tasks.sft import SFTStageConfig, run_sft
 from tasks.tracking import log_file, log_metrics, log_params_flat, register_model_dir, stage_run
+from tasks.typed_yaml import flatten_for_params
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,8 @@ UNMATCHED: dict[str, str] = {
     "mini-batches": "TRL 1.12 steps the optimizer every gradient_accumulation_steps micro-batches counted across "
     "mini-batch boundaries, so num_mini_batches > 1 does not give more optimizer steps; both sides use one "
     "mini-batch = the whole rollout batch (4 optimizer steps per update).",
-    "optimizer": "TRL uses the Trainer's default optimizer (transformers 5: adamw_torch_fused, one param group "
-    "over policy + value model); ours torch.optim.AdamW with two param groups at the same lr. Same math.",
+    "optimizer": "Both use torch's fused AdamW (TRL: the Trainer's default adamw_torch_fused); TRL has one param "
+    "group over policy + value model, ours two groups at the same lr. Same update.",
     "gradient clipping": "TRL never clips in PPO; ours clips at max_grad_norm=inf (a no-op, the norm is still "
     "computed).",
     "missing-eos penalty": "TRL subtracts it from the score; our RewardShapingConfig.missing_stop_penalty replaces "

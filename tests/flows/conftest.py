@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from tasks.config import dump_config, load_config
+from tasks.config import load_config
 from tasks.state import RunRecord, StateDir
+from tasks.typed_yaml import dump_config
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import typing
 from pathlib import Path
 
@@ -12,8 +10,8 @@ import yaml
 
 from rlhf_core.data import InputFormat
 from rlhf_core.lm import PRESETS as MODEL_SIZES
-from tasks.config import (ConfigError, DemoSection, PipelineConfig, SFTSection, available_presets, config_to_dict,
-                          dump_config, flatten_for_params, load_config, section_hash)
+from tasks.config import ConfigError, PipelineConfig, SFTSection, available_presets, load_config
+from tasks.typed_yaml import config_to_dict, dump_config, flatten_for_params
 
 
 def write_yaml(path: Path, data: dict) -> Path:
@@ -149,22 +147,6 @@ def test_dump_then_load_round_trips(preset: str, tmp_path: Path) -> None:
     dump_config(cfg, path)
     assert load_config(path, None, []) == cfg
     assert yaml.safe_load(path.read_text())["data"]["prep"]["input_format"] == cfg.data.prep.input_format.value
-
-
-def test_section_hash_is_the_sha256_of_canonical_json() -> None:
-    expected = json.dumps({"annotator_temperature": 1.5, "n_eval_prompts": 256, "n_pairs": 4000, "n_sft": 4000,
-                           "sft_eval_fraction": 0.1}, sort_keys=True, separators=(",", ":"))
-    assert section_hash(DemoSection()) == hashlib.sha256(expected.encode()).hexdigest()
-
-
-def test_section_hash_changes_with_a_value_only_in_its_section() -> None:
-    base = load_config(None, "tiny", [])
-    again = load_config(None, "tiny", [])
-    changed = load_config(None, "tiny", ["ppo.ppo.kl.coef=0.3"])
-    assert section_hash(base.ppo) == section_hash(again.ppo)
-    assert section_hash(base.ppo) != section_hash(changed.ppo)
-    assert section_hash(base.data) == section_hash(changed.data)
-    assert section_hash(base) != section_hash(changed)
 
 
 def test_flatten_for_params() -> None:

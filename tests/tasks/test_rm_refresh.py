@@ -32,8 +32,8 @@ from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_parquet, write_parquet
 from tasks.labelling import export_unlabelled, import_labels
 from tasks.reward_model import read_pairs
-from tasks.rm_refresh import (CHAMPION, LabelsPendingError, RefreshResult, build_annotator, promotion, rm_refresh_task,
-                              run_rm_refresh, split_by_prompt)
+from tasks.refresh_pairs import LabelsPendingError, build_annotator, split_by_prompt
+from tasks.rm_refresh import CHAMPION, RefreshResult, promotion, rm_refresh_task, run_rm_refresh
 from tasks.state import StateDir
 from tests.stage_tracking import module_tracking
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
