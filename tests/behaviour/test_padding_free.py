@@ -1,7 +1,6 @@
-"""The speed paths of rlhf_core.packing, rlhf_core.rollout and rlhf_core.models give the results of the plain ones:
-padding-free (packed) forwards equal padded forwards in values and gradients, inverse-CDF sampling draws from the
-given distribution, the LM head applied at the response tokens only equals the full logits, and the fused GELU equals
-GPT-2's."""
+"""The speed paths give the results of the plain ones: padding-free (packed) forwards equal padded forwards in
+values and gradients, inverse-CDF sampling draws from the given distribution, the LM head applied at the response
+tokens only equals the full logits, the fused GELU equals GPT-2's, and fused AdamW makes the for-each update."""
 
 from __future__ import annotations
 
@@ -156,3 +155,22 @@ def test_fused_gelu_is_gpt2s_gelu_and_checkpoints_keep_their_config(tmp_path):
     assert GPT2LMHeadModel.from_pretrained(tmp_path).config.activation_function == "gelu_new"
     loaded = load_policy(str(tmp_path))
     assert all(type(block.mlp.act) is GELUTanh for block in loaded.transformer.h)
+
+
+def test_local_optimizer_is_fused_adamw_with_the_for_each_update():
+    from rlhf_core.strategy import TrainableGroup, local_optimizer
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused, _ = local_optimizer([TrainableGroup(models[0], list(models[0].parameters()), 1e-2)], 0.01)
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
+    assert fused.defaults["fused"] is True
+    for step in range(5):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip(models, (fused, plain), strict=True):
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
