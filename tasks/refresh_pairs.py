@@ -35,6 +35,7 @@ SKIPPED_FILE = "sampling_quarantine.parquet"
 
 Record = dict[str, object]
 
+
 class LabelsPendingError(RuntimeError):
     """The file annotator exported pairs and waits for people to label them (a retry cannot help)."""
 

@@ -52,8 +52,6 @@ EVALS_PER_TRAINING = 4
 """On-policy evaluations during the continued training (plus the final one)."""
 
 
-
-
 @dataclass(frozen=True)
 class RefreshResult:
     """The refreshed reward model, the promotion decision and the stage's metrics (plain values only)."""

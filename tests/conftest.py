@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
 
 _STATE = tempfile.mkdtemp(prefix="rlhf-tests-")
 os.environ.setdefault("PREFECT_HOME", os.path.join(_STATE, "prefect"))
@@ -14,3 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HOME", os.path.join(_STATE, "hf"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """One torch thread for a module: tiny models gain nothing from threads, and on a shared 2-core machine
+    spinning threads cost 10x. Stage tests get it automatically (tests/tasks/conftest.py); other modules ask
+    with ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,10 +6,8 @@ import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 # Set before any test module imports prefect; Prefect reads these settings lazily from the environment.
 os.environ["PREFECT_HOME"] = _home = tempfile.mkdtemp(prefix="prefect-home-")
@@ -19,9 +17,5 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(single_thread: None) -> None:
+    """Every stage test module runs with one torch thread (tests/conftest.py's ``single_thread``)."""

@@ -3,7 +3,6 @@ reply sampling, on tiny models."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,16 +18,10 @@ from rlhf_core.reward_training import PreferencePair
 from rlhf_core.text import encode_pair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 PAIRS = [ReplyPair("q cat", " good dog", " bad tree"), ReplyPair("q sun sat", " red", " blue big box"),
          ReplyPair("q why", " the mat", " a slow moon star"), ReplyPair("q how", " fast", " fast fast")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared 2-core machine: threads only add overhead
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ fruit and look up its colour rather than memorise whole prompts.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +35,8 @@ from rlhf_core.sft import (
 from rlhf_core.sft import _train_step  # the accumulation logic itself is what is tested
 from rlhf_core.tokenizer import train_bpe_tokenizer
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 NAMES = ["Ann", "Bob", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jo"]
 COLORS = {"apple": "red", "banana": "yellow", "lime": "green", "plum": "purple",
           "orange": "orange", "cherry": "red", "kiwi": "brown", "grape": "green"}
@@ -47,15 +48,6 @@ def color_task() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     random.Random(0).shuffle(pairs)
     examples = [(f"Q: {n} asks the color of the {f}?", f" A: the {f} is {COLORS[f]}.") for n, f in pairs]
     return examples[:60], examples[60:]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # Tiny models gain nothing from threads, and on a shared 2-core machine spinning threads cost 10x.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
