@@ -110,9 +110,10 @@ def _build(spec: FixtureSpec, out: Path) -> dict:
 
     from rlhf_core.demo.generator import task_texts
     from rlhf_core.demo.prompts import generate_prompts
-    from rlhf_core.lm import ModelSize, build_causal_lm, build_reward_model, config_for_tokenizer, count_parameters
-    from rlhf_core.text import encode_prompt, keep_tail
-    from rlhf_core.tokenizer import train_bpe_tokenizer
+    from rlhf_core.models.lm import (ModelSize, build_causal_lm, build_reward_model, config_for_tokenizer,
+                                     count_parameters)
+    from rlhf_core.models.text import encode_prompt, keep_tail
+    from rlhf_core.models.tokenizer import train_bpe_tokenizer
 
     torch.manual_seed(spec.seed)
     tokenizer = train_bpe_tokenizer(task_texts(spec.seed, 3000), spec.vocab_size, model_max_length=spec.n_positions)
@@ -141,7 +142,7 @@ def _build(spec: FixtureSpec, out: Path) -> dict:
 def _sft(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: FixtureSpec) -> dict:
     """One epoch of SFT on demo demonstrations (64 held out); the held-out loss before and after."""
     from rlhf_core.demo.generator import generate_sft_demonstrations
-    from rlhf_core.sft import SFTConfig, train_sft
+    from rlhf_core.training.sft import SFTConfig, train_sft
 
     demos = [(d["prompt"], d["reply"]) for d in generate_sft_demonstrations(spec.sft_demonstrations + 64, spec.seed)]
     config = SFTConfig(epochs=1, batch_size=32, micro_batch_size=32, lr=2e-3, warmup_steps=10,
@@ -156,7 +157,7 @@ def _train_reward(reward: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     """One epoch of Bradley-Terry training on demo preference pairs (128 held out); held-out accuracy."""
     from rlhf_core.config import RewardTrainingConfig
     from rlhf_core.demo.generator import generate_preference_pairs
-    from rlhf_core.reward_training import PreferencePair, train_reward_model
+    from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 
     rows = generate_preference_pairs(spec.rm_pairs + 128, spec.seed)
     pairs = [PreferencePair(r["prompt"], r["chosen"], r["rejected"]) for r in rows]

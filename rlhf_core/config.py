@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf_core.kl import KLEstimator
+from rlhf_core.ppo.kl import KLEstimator
 
 Autocast = Literal["none", "bf16"]
-"""Precision of training forwards: the weights' own ('none') or bf16 autocast (rlhf_core/memory.py)."""
+"""Precision of training forwards: the weights' own ('none') or bf16 autocast (rlhf_core/models/memory.py)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RewardShapingConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adapters (rlhf_core/lora.py) instead of full fine-tuning: one frozen copy of the base weights."""
+    """Low-rank adapters (rlhf_core/models/lora.py) instead of full fine-tuning: one frozen copy of the base weights."""
 
     enabled: bool = False
     """Train a LoRA adapter (and the heads) instead of every weight."""

@@ -2,7 +2,7 @@
 
 Once per pipeline run (the stage is cached on its inputs): sample ``max(ns)`` replies per evaluation prompt
 from the SFT policy, score every reply with the proxy reward model, keep the proxy's favourite among the first
-n of each prompt (``rlhf_core.best_of_n``), and report the mean proxy, held-out and (demo task) gold score of
+n of each prompt (``rlhf_core.evaluation.best_of_n``), and report the mean proxy, held-out and (demo task) gold score of
 the chosen replies against the analytic KL ``log n - (n - 1) / n``. ``BestOfNResult.points`` goes to every
 heldout-eval call (``run_heldout_eval(..., best_of_n=...)``), which draws it on the same over-optimisation
 plot as the PPO iterations.
@@ -27,12 +27,12 @@ import torch
 from matplotlib.figure import Figure
 from prefect import task
 
-from rlhf_core.best_of_n import (BestOfNPoint, Candidates, best_of_n_curve, best_of_n_kl, check_ns, sample_candidates,
-                                 score_candidates)
 from rlhf_core.data import Column, DType, TableSchema
 from rlhf_core.demo import gold_score
-from rlhf_core.policy_eval import evaluation_generation, fit_max_new_tokens
-from rlhf_core.text import encode_prompt
+from rlhf_core.evaluation.best_of_n import (BestOfNPoint, Candidates, best_of_n_curve, best_of_n_kl, check_ns,
+                                            sample_candidates, score_candidates)
+from rlhf_core.evaluation.policy_eval import evaluation_generation, fit_max_new_tokens
+from rlhf_core.models.text import encode_prompt
 from tasks.config import PipelineConfig
 from tasks.evaluate import load_frozen_lm, read_eval_prompts, reward_scorer  # the same loading as heldout-eval
 from tasks.io import write_json, write_parquet

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.data import DataPrepConfig
 from rlhf_core.demo import DEFAULT_TEMPERATURE
-from rlhf_core.lm import PRESETS as MODEL_SIZES
-from rlhf_core.sft import SFTConfig
-from rlhf_core.tokenizer import MIN_VOCAB_SIZE
+from rlhf_core.models.lm import PRESETS as MODEL_SIZES
+from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
+from rlhf_core.training.sft import SFTConfig
 from tasks.typed_yaml import ConfigError, build, merge_layer, parse_override, read_yaml
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
@@ -85,7 +85,7 @@ class SFTSection:
     vocab_size: int = 2000
     """Vocabulary of the BPE tokenizer trained on the task text (only when base_model is None)."""
     model_size: Literal["tiny", "demo"] = "demo"
-    """Size preset of the GPT built here (``rlhf_core.lm.PRESETS``; only when base_model is None)."""
+    """Size preset of the GPT built here (``rlhf_core.models.lm.PRESETS``; only when base_model is None)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised fine-tuning hyperparameters."""
 

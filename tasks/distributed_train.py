@@ -21,11 +21,11 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.deepspeed_config import load_config as load_deepspeed_config
-from rlhf_core.distributed import DeepSpeedFactory, init_distributed
-from rlhf_core.models import load_reward_model
-from rlhf_core.ppo_loop import train_ppo
-from rlhf_core.reward_training import PreferencePair, train_reward_model
+from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
+from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed
+from rlhf_core.models.roles import load_reward_model
+from rlhf_core.training.ppo_loop import train_ppo
+from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 from tasks.config import PipelineConfig, load_config
 from tasks.launch import DistributedJob, reward_history_to_json
 from tasks.ppo import build_models, load_prompts

@@ -26,12 +26,12 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.data import Column, DType, TableSchema
 from rlhf_core.demo import gold_score
-from rlhf_core.evaluation import HackingRules, HackingVerdict, IterationEval, detect_reward_hacking
-from rlhf_core.models import freeze, load_policy, load_reward_model
-from rlhf_core.policy_eval import (ReplySet, comparison_metrics, evaluation_generation, fit_max_new_tokens,
-                                   sample_and_judge, with_scores)
-from rlhf_core.scoring import RewardModelScorer
-from rlhf_core.text import encode_prompt, same_vocabulary
+from rlhf_core.evaluation.metrics import HackingRules, HackingVerdict, IterationEval, detect_reward_hacking
+from rlhf_core.evaluation.policy_eval import (ReplySet, comparison_metrics, evaluation_generation, fit_max_new_tokens,
+                                              sample_and_judge, with_scores)
+from rlhf_core.models.roles import freeze, load_policy, load_reward_model
+from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.text import encode_prompt, same_vocabulary
 from tasks.config import PipelineConfig
 from tasks.retries import retry_on_transient_io
 from tasks.io import atomic_write, write_json, write_parquet

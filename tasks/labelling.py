@@ -31,7 +31,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.annotators import ReplyPair
 from rlhf_core.data import DataError, DataPrepConfig, InputFormat, SourceFile, SourceRow
 from rlhf_core.data.chat import ChatRenderer
 from rlhf_core.data.prep import PrepContext, collect_pairs
@@ -39,7 +38,8 @@ from rlhf_core.data.records import excerpt
 from rlhf_core.data.schema import (CHOSEN, COLUMN, DETAIL, MARGIN, PROMPT, RAW, REASON, REJECTED, ROW_LEVEL,
                                    SOURCE_FILE, SOURCE_ROW)
 from rlhf_core.data.text import make_measure
-from rlhf_core.reward_training import PreferencePair
+from rlhf_core.evaluation.annotators import ReplyPair
+from rlhf_core.training.reward_training import PreferencePair
 from tasks.io import CSV_SUFFIXES, PARQUET_SUFFIXES, atomic_write, read_source
 
 PAIR_ID, REPLY_A, REPLY_B, LABEL = "pair_id", "reply_a", "reply_b", "label"

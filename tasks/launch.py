@@ -25,11 +25,11 @@ from typing import Any, Literal
 from safetensors.torch import load_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.checkpoint import latest_checkpoint
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.experience import PPOModels
-from rlhf_core.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
-from rlhf_core.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
+from rlhf_core.training.checkpoint import latest_checkpoint
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
+from rlhf_core.training.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
 from tasks.config import DistributedSection, PipelineConfig
 from tasks.typed_yaml import config_to_dict, dump_config
 

@@ -135,7 +135,7 @@ def overoptimisation_curve(
     x is KL in nats, not sqrt(KL) as in the paper: the PPO KL budget and ``best_of_n_kl`` are stated in
     nats, so the reader can compare them directly. Points are joined in the given (training) order.
     Lines: proxy RM, held-out RM, gold (when every point has gold), and the optional best-of-N baseline
-    ``[(kl, gold), ...]`` (its KL from ``rlhf_core.evaluation.best_of_n_kl``). Proxy up while held-out or
+    ``[(kl, gold), ...]`` (its KL from ``rlhf_core.evaluation.metrics.best_of_n_kl``). Proxy up while held-out or
     gold bends down is the signature of reward hacking. After a reward-model refresh the proxy line breaks:
     points of each :attr:`PolicyPoint.rm_generation` form their own dashed-on proxy line (labelled "proxy RM
     after refresh k"), while held-out and gold, judged by the same models throughout, stay one line. ``best_of_n_judge`` names the judge of the

@@ -19,13 +19,13 @@ from prefect import task
 from safetensors.torch import save_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf_core.checkpoint import latest_checkpoint, trainable_view
-from rlhf_core.experience import PPOModels
-from rlhf_core.lora import LoRACritic, lora_policy, plain_model
-from rlhf_core.models import Critic, ValueHead, load_policy, load_reward_model, make_reference
-from rlhf_core.rollout import generate, left_pad
-from rlhf_core.scoring import RewardModelScorer, decode_rollout
-from rlhf_core.text import encode_prompt, pad_id
+from rlhf_core.models.lora import LoRACritic, lora_policy, plain_model
+from rlhf_core.models.roles import Critic, ValueHead, load_policy, load_reward_model, make_reference
+from rlhf_core.models.scoring import RewardModelScorer, decode_rollout
+from rlhf_core.models.text import encode_prompt, pad_id
+from rlhf_core.training.checkpoint import latest_checkpoint, trainable_view
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.rollout import generate, left_pad
 from tasks.config import PipelineConfig
 from tasks.launch import run_ppo_training
 from tasks.retries import retry_on_transient_io

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlhf_core.demo_eval import gold_judged
-from rlhf_core.reward_training import PreferencePair
+from rlhf_core.evaluation.demo_eval import gold_judged
+from rlhf_core.training.reward_training import PreferencePair
 from tasks.config import PipelineConfig
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from rlhf_core.annotators import (Annotator, PerPairAnnotator, ReplyPair, RewardModelJudge, preference_pairs,
-                                  sample_reply_pairs)
 from rlhf_core.data import PREFERENCE_PAIRS, QUARANTINE, QuarantineReason, SourceRow
 from rlhf_core.data.schema import CHOSEN, PROMPT, REASON, REJECTED
 from rlhf_core.demo.annotator import SimulatedAnnotator
-from rlhf_core.models import freeze, load_policy, load_reward_model
-from rlhf_core.reward_training import PreferencePair
+from rlhf_core.evaluation.annotators import (Annotator, PerPairAnnotator, ReplyPair, RewardModelJudge, preference_pairs,
+                                             sample_reply_pairs)
+from rlhf_core.models.roles import freeze, load_policy, load_reward_model
+from rlhf_core.training.reward_training import PreferencePair
 from tasks.config import PipelineConfig
 from tasks.io import read_frame, read_parquet, write_parquet
 from tasks.labelling import export_unlabelled, import_labels, preference_rows, to_pairs, validate_preferences

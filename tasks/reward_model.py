@@ -29,11 +29,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.data import PREFERENCE_PAIRS
-from rlhf_core.evaluation import spearman
-from rlhf_core.lm import build_reward_model, config_for_tokenizer
-from rlhf_core.models import fuse_activations, load_reward_model, sequence_scores
-from rlhf_core.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
-from rlhf_core.text import pad_id, right_pad
+from rlhf_core.evaluation.metrics import spearman
+from rlhf_core.models.lm import build_reward_model, config_for_tokenizer
+from rlhf_core.models.roles import fuse_activations, load_reward_model, sequence_scores
+from rlhf_core.models.text import pad_id, right_pad
+from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
 from tasks.config import PipelineConfig
 from tasks.launch import fit_reward_model
 from tasks.retries import retry_on_transient_io

@@ -2,8 +2,8 @@
 
 PPO pushes the policy towards replies the proxy RM was never trained on, which is where the proxy goes wrong
 (reward hacking). This stage samples two replies per prompt from the *current* policy, has the configured
-annotator (``refresh.annotator``: simulated, file, rm_judge; see ``rlhf_core.annotators``) pick the better one,
-validates the labels like any preference data, and splits the fresh pairs by prompt into refresh-train and
+annotator (``refresh.annotator``: simulated, file, rm_judge; see ``rlhf_core.evaluation.annotators``) pick the
+better one, validates the labels like any preference data, and splits the fresh pairs by prompt into refresh-train and
 on-policy-eval. The current proxy is measured on the on-policy-eval pairs and on the held-out pairs, trained
 further on the fresh pairs (plus replayed old ones), and measured again; with ``refresh.validation_fraction``
 some fresh training prompts choose the epoch to keep (lowest validation loss, "before training" included).
@@ -32,8 +32,8 @@ from prefect import task
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.models import load_reward_model
-from rlhf_core.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.models.roles import load_reward_model
+from rlhf_core.training.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
 from tasks.config import PipelineConfig
 from tasks.io import atomic_write_dir, write_json
 from tasks.refresh_pairs import STAGE, RefreshData, prepare_refresh_data

@@ -1,7 +1,7 @@
 """The sft stage: build (or load) a policy, fine-tune it on demonstrations, save it as a Hugging Face directory.
 
 Without a base model the stage trains a byte-level BPE tokenizer on the task's own text and a small GPT
-(``rlhf_core.lm.PRESETS``) from scratch. With one it loads it and fine-tunes only when asked
+(``rlhf_core.models.lm.PRESETS``) from scratch. With one it loads it and fine-tunes only when asked
 (``SFTStageConfig.train_base_model``). Outputs under ``out_dir``: ``model/`` (model + tokenizer,
 ``save_pretrained`` layout, written to a temp dir and renamed into place), the loss curve as JSON and PNG,
 and the metrics as JSON. On the demo task (an ``eval_prompts`` table given) the policy's greedy and sampled
@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data import PREFERENCE_PAIRS
-from rlhf_core.demo_eval import PolicyGoldReport, gold_report, record_from_row
-from rlhf_core.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
-from rlhf_core.models import fuse_activations
-from rlhf_core.sft import SFTConfig, SFTResult, eval_loss, train_sft
-from rlhf_core.tokenizer import train_bpe_tokenizer
+from rlhf_core.evaluation.demo_eval import PolicyGoldReport, gold_report, record_from_row
+from rlhf_core.models.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
+from rlhf_core.models.roles import fuse_activations
+from rlhf_core.models.tokenizer import train_bpe_tokenizer
+from rlhf_core.training.sft import SFTConfig, SFTResult, eval_loss, train_sft
 from tasks.retries import retry_on_transient_io
 from tasks.demo_data import EVAL_PROMPTS, REPLY, SFT_DEMONSTRATIONS
 from tasks.io import atomic_write, atomic_write_dir, read_parquet, write_json
@@ -50,7 +50,7 @@ class SFTStageConfig:
     """What the sft stage builds, how it trains and how it evaluates."""
 
     model_size: str | ModelSize = "demo"
-    """Shape of the GPT built from scratch: a preset name (``rlhf_core.lm.PRESETS``: 'tiny' for tests,
+    """Shape of the GPT built from scratch: a preset name (``rlhf_core.models.lm.PRESETS``: 'tiny' for tests,
     'demo') or a ``ModelSize``."""
     vocab_size: int = 1000
     """BPE vocabulary of the tokenizer built from scratch (the demo task's text saturates near 1000)."""

@@ -1,4 +1,5 @@
-"""Rollout tokens per second: ``rlhf_core.rollout.generate`` vs plain ``model.generate`` on the same model and batch.
+"""Rollout tokens per second: ``rlhf_core.training.rollout.generate`` vs plain ``model.generate`` on the same
+model and batch.
 
     .venv/bin/python -m benchmarks.generation.run            # the ppo_vs_trl policy, 32 prompts x 48 tokens
     .venv/bin/python -m benchmarks.generation.run --smoke    # a tiny random model
@@ -6,7 +7,7 @@
 Same prompts (left-padded), same sampling settings (temperature 0.7, no top-k / top-p), fp32, no gradients.
 Three generators, timed alternately in one process after a warm-up call each:
 
-- ``ours``: ``rlhf_core.rollout.generate`` (KV cache; returns the ids AND the sampling log-probs);
+- ``ours``: ``rlhf_core.training.rollout.generate`` (KV cache; returns the ids AND the sampling log-probs);
 - ``hf_generate``: ``model.generate(do_sample=True)``, ids only;
 - ``hf_generate_scores``: the same with ``output_scores=True, return_dict_in_generate=True``, which is how
   TRL's PPOTrainer gets its old log-probs.
@@ -36,7 +37,7 @@ GENERATORS = ("ours", "hf_generate", "hf_generate_scores")
 def ours(model, ids, mask, max_new_tokens: int, temperature: float, stop: list[int], pad: int, seed: int) -> int:
     """Generated positions (batch x steps) of one call of our rollout generator."""
     from rlhf_core.config import GenerationConfig
-    from rlhf_core.rollout import generate
+    from rlhf_core.training.rollout import generate
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=ids.shape[0])
     rollout = generate(model, ids, mask, config, stop, pad, torch.Generator().manual_seed(seed))
@@ -104,8 +105,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from benchmarks.ppo_vs_trl.settings import smoke_settings
-    from rlhf_core.models import load_policy
-    from rlhf_core.rollout import left_pad
+    from rlhf_core.models.roles import load_policy
+    from rlhf_core.training.rollout import left_pad
 
     s = smoke_settings() if args.smoke else Settings()
     repeats = args.repeats or (2 if args.smoke else 7)

@@ -82,10 +82,10 @@ def training_flops(lengths: list[int], n_weights: int, n_layer: int, d_model: in
 
 def measure_training(spec: FixtureSpec, s: Settings, updates: int) -> dict[str, Any]:
     """Run ``updates`` PPO updates (collect + train) of our PPO on the fixture; time each training phase."""
-    from rlhf_core.experience import PPOModels, collect_experience
-    from rlhf_core.models import Critic, load_policy, load_reward_model, make_reference
-    from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_update
-    from rlhf_core.scoring import RewardModelScorer
+    from rlhf_core.models.roles import Critic, load_policy, load_reward_model, make_reference
+    from rlhf_core.models.scoring import RewardModelScorer
+    from rlhf_core.training.experience import PPOModels, collect_experience
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_update
 
     fixture = build_fixture(spec)
     tokenizer = fixture.tokenizer()

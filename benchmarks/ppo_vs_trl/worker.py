@@ -21,8 +21,8 @@ import torch
 from benchmarks.common import peak_rss_mib, rss_mib
 from benchmarks.fixtures import Fixture, FixtureSpec, build_fixture
 from benchmarks.ppo_vs_trl.settings import Settings, ours_config, trl_config_kwargs
-from rlhf_core.masking import response_mask_from_stop
-from rlhf_core.rollout import Rollout
+from rlhf_core.ppo.masking import response_mask_from_stop
+from rlhf_core.training.rollout import Rollout
 
 
 def prompt_batches(fixture: Fixture, s: Settings) -> list[list[list[int]]]:
@@ -56,11 +56,12 @@ class MissingStop:
 
 
 def run_ours(s: Settings, fixture: Fixture, seed: int) -> dict[str, Any]:
-    """This project's PPO step (``rlhf_core.ppo.ppo_step``) with a separate critic initialised from the RM."""
-    from rlhf_core.experience import PPOModels
-    from rlhf_core.models import Critic, load_policy, load_reward_model, make_reference
-    from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_step
-    from rlhf_core.scoring import RewardModelScorer, WeightedSum
+    """This project's PPO step (``rlhf_core.training.ppo_step.ppo_step``) with a separate critic initialised from
+    the RM."""
+    from rlhf_core.models.roles import Critic, load_policy, load_reward_model, make_reference
+    from rlhf_core.models.scoring import RewardModelScorer, WeightedSum
+    from rlhf_core.training.experience import PPOModels
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
 
     torch.manual_seed(seed)
     tokenizer = fixture.tokenizer()

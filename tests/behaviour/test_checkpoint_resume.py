@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.checkpoint import latest_checkpoint
 from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig, RewardShapingConfig
-from rlhf_core.experience import PPOModels
-from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
-from rlhf_core.ppo_loop import train_ppo
+from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.training.checkpoint import latest_checkpoint
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.ppo_loop import train_ppo
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24

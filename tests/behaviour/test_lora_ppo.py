@@ -12,15 +12,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.checkpoint import latest_checkpoint
 from rlhf_core.config import (GenerationConfig, KLConfig, LoRAConfig, PPOConfig, RewardShapingConfig,
                               RewardTrainingConfig)
-from rlhf_core.experience import PPOModels
-from rlhf_core.lora import LoRACritic, lora_layers, lora_policy
-from rlhf_core.models import ValueHead, load_reward_model, policy_forward
-from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_step
-from rlhf_core.ppo_loop import train_ppo
-from rlhf_core.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.models.lora import LoRACritic, lora_layers, lora_policy
+from rlhf_core.models.roles import ValueHead, load_reward_model, policy_forward
+from rlhf_core.training.checkpoint import latest_checkpoint
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.ppo_loop import train_ppo
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.training.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
 from tests.behaviour.test_reward_model_learns import planted_pairs
 from tests.tiny_models import gpt2_config
 

@@ -10,12 +10,12 @@ import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
-from rlhf_core.experience import PPOModels, collect_experience
-from rlhf_core.memory import autocast, enable_gradient_checkpointing, is_checkpointing
-from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
-from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, micro_batch_loss, ppo_step
-from rlhf_core.reward_training import PreferencePair, train_reward_model
-from rlhf_core.rewards import RunningMoments
+from rlhf_core.models.memory import autocast, enable_gradient_checkpointing, is_checkpointing
+from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.training.experience import PPOModels, collect_experience
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, micro_batch_loss, ppo_step
+from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24

@@ -11,10 +11,10 @@ import torch
 from transformers import GPT2LMHeadModel, GPT2Model
 from transformers.activations import GELUTanh
 
-from rlhf_core.lm_head import split_lm_head
-from rlhf_core.models import ValueHead, fuse_activations, load_policy, policy_forward
-from rlhf_core.packing import pack, padded_forward, supports_packing
-from rlhf_core.rollout import positions_from_mask, sample_tokens
+from rlhf_core.models.lm_head import split_lm_head
+from rlhf_core.models.packing import pack, padded_forward, supports_packing
+from rlhf_core.models.roles import ValueHead, fuse_activations, load_policy, policy_forward
+from rlhf_core.training.rollout import positions_from_mask, sample_tokens
 from tests.tiny_models import gpt2_config
 
 PAD = 0
@@ -111,7 +111,7 @@ def test_head_only_policy_forward_equals_the_full_logits_path(family: str):
     assert split_lm_head(model) is not None
 
     def run(split: bool) -> tuple:
-        with patch("rlhf_core.models.split_lm_head", side_effect=lambda m: split_lm_head(m) if split else None):
+        with patch("rlhf_core.models.roles.split_lm_head", side_effect=lambda m: split_lm_head(m) if split else None):
             out = policy_forward(model, ids, mask, query_len, 0.7, head, with_entropy=True)
         real = mask[:, query_len:].bool()
         loss = (out.logprobs[real].sum() + out.entropy[real].sum() + out.values[real].sum())
@@ -132,7 +132,7 @@ def test_split_lm_head_only_for_plain_heads():
     backbone, head = split_lm_head(model)
     assert backbone is model.transformer and head is model.lm_head
     from rlhf_core.config import LoRAConfig
-    from rlhf_core.lora import lora_policy
+    from rlhf_core.models.lora import lora_policy
 
     policy, reference = lora_policy(GPT2LMHeadModel(gpt2_config(24)), LoRAConfig(enabled=True, rank=2))
     inner = policy.get_base_model()
@@ -158,7 +158,7 @@ def test_fused_gelu_is_gpt2s_gelu_and_checkpoints_keep_their_config(tmp_path):
 
 
 def test_local_optimizer_is_fused_adamw_with_the_for_each_update():
-    from rlhf_core.strategy import TrainableGroup, local_optimizer
+    from rlhf_core.training.strategy import TrainableGroup, local_optimizer
 
     torch.manual_seed(0)
     models = [torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)]

@@ -9,9 +9,9 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig
-from rlhf_core.experience import PPOModels
-from rlhf_core.models import ValueHead, disable_dropout, make_reference
-from rlhf_core.ppo_loop import train_ppo
+from rlhf_core.models.roles import ValueHead, disable_dropout, make_reference
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.ppo_loop import train_ppo
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS, TARGET, VOCAB = 0, 1, 2, 7, 24

@@ -9,10 +9,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig, RewardShapingConfig
-from rlhf_core.experience import PPOModels, collect_experience
-from rlhf_core.models import ValueHead, disable_dropout, load_policy, make_reference
-from rlhf_core.ppo import PPOState, make_kl_controller, make_optimizer, ppo_step
-from rlhf_core.rewards import RunningMoments
+from rlhf_core.models.roles import ValueHead, disable_dropout, load_policy, make_reference
+from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.training.experience import PPOModels, collect_experience
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24

@@ -6,8 +6,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig
-from rlhf_core.models import policy_forward
-from rlhf_core.rollout import filter_logits, generate, left_pad
+from rlhf_core.models.roles import policy_forward
+from rlhf_core.training.rollout import filter_logits, generate, left_pad
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS = 0, 1, 2

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.deepspeed_config import check_config, load_config, offloads_optimizer, resolve_config
-from rlhf_core.models import ValueHead
+from rlhf_core.distributed.deepspeed_config import check_config, load_config, offloads_optimizer, resolve_config
+from rlhf_core.models.roles import ValueHead
 from tests.tiny_models import gpt2_config
 
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "deepspeed"

@@ -19,14 +19,14 @@ import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig, LoRAConfig, PPOConfig, RewardTrainingConfig
-from rlhf_core.experience import Experience, PPOModels, collect_experience
-from rlhf_core.lora import lora_policy
-from rlhf_core.models import Critic, ValueHead, disable_dropout, make_reference
-from rlhf_core.ppo import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
-from rlhf_core.ppo_loop import train_ppo
-from rlhf_core.reward_training import PreferencePair, train_reward_model
-from rlhf_core.rewards import RunningMoments
-from rlhf_core.strategy import StrategyFactory
+from rlhf_core.models.lora import lora_policy
+from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.training.experience import Experience, PPOModels, collect_experience
+from rlhf_core.training.ppo_loop import train_ppo
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
+from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.strategy import StrategyFactory
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24
@@ -178,7 +178,7 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's notes on DeepSpeed's collective calls
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    from rlhf_core.distributed import DeepSpeedFactory, init_distributed
+    from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed
 
     init_distributed()
     out: dict[str, Any] = {}

@@ -17,8 +17,8 @@ from mlflow import MlflowClient
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from rlhf_core.demo import gold_score, render_prompt
-from rlhf_core.evaluation import best_of_n_kl
-from rlhf_core.models import sequence_scores
+from rlhf_core.evaluation.metrics import best_of_n_kl
+from rlhf_core.models.roles import sequence_scores
 from tasks import evaluate, tracking
 from tasks.baseline_eval import (BEST_OF_N_SAMPLES, BestOfNResult, best_of_n_figure, best_of_n_task, run_best_of_n,
                                  sampling_temperature)

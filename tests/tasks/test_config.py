@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from rlhf_core.data import InputFormat
-from rlhf_core.lm import PRESETS as MODEL_SIZES
+from rlhf_core.models.lm import PRESETS as MODEL_SIZES
 from tasks.config import ConfigError, PipelineConfig, SFTSection, available_presets, load_config
 from tasks.typed_yaml import config_to_dict, dump_config, flatten_for_params
 

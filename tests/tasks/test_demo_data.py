@@ -11,7 +11,7 @@ import pytest
 from flows.cli import build_parser, main
 from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, DataError, DataPrepConfig
 from rlhf_core.demo import INTENTS
-from rlhf_core.demo_eval import annotator_agreement
+from rlhf_core.evaluation.demo_eval import annotator_agreement
 from tasks.demo_data import (EVAL_PROMPTS, RAW_PAIRS, SFT_DEMONSTRATIONS, DemoDataConfig, DemoDataResult,
                              demo_data_task, draw_eval_prompts, run_demo_data_prep)
 from tasks.io import read_parquet

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.checkpoint import DEEPSPEED_DIR, latest_checkpoint
-from rlhf_core.ppo_loop import train_ppo
+from rlhf_core.training.checkpoint import DEEPSPEED_DIR, latest_checkpoint
+from rlhf_core.training.ppo_loop import train_ppo
 from tasks.config import ConfigError, DistributedSection, load_config
 from tasks.launch import _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
 from tasks.ppo import build_models, load_prompts

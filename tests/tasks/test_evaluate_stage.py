@@ -18,8 +18,8 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrai
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.demo import render_prompt
-from rlhf_core.policy_eval import evaluation_generation, rollout_kl
-from rlhf_core.rollout import generate, left_pad
+from rlhf_core.evaluation.policy_eval import evaluation_generation, rollout_kl
+from rlhf_core.training.rollout import generate, left_pad
 from tasks import tracking
 from tasks.config import PipelineConfig, load_config
 from tasks.retries import retry_on_transient_io

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, load_model
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.checkpoint import trainable_view
-from rlhf_core.lora import lora_policy
+from rlhf_core.models.lora import lora_policy
+from rlhf_core.training.checkpoint import trainable_view
 from tasks import tracking
 from tasks.config import load_config
 from tasks.ppo import run_ppo_iteration

@@ -17,7 +17,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UN
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from rlhf_core.data import PREFERENCE_PAIRS, DataError
-from rlhf_core.models import load_reward_model
+from rlhf_core.models.roles import load_reward_model
 from tasks import tracking
 from tasks.config import PipelineConfig, load_config
 from tasks.io import write_parquet

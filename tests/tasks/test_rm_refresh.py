@@ -21,12 +21,12 @@ import torch
 from mlflow import MlflowClient
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from rlhf_core.annotators import ReplyPair, RewardModelJudge
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, DataError, prompt_id
 from rlhf_core.demo import SimulatedAnnotator
-from rlhf_core.models import load_reward_model
-from rlhf_core.reward_training import PreferencePair, train_reward_model
+from rlhf_core.evaluation.annotators import ReplyPair, RewardModelJudge
+from rlhf_core.models.roles import load_reward_model
+from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 from tasks import tracking
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_parquet, write_parquet

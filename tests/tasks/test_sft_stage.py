@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import GenerationConfig
-from rlhf_core.lm import ModelSize
-from rlhf_core.sft import SFTConfig, eval_loss
+from rlhf_core.models.lm import ModelSize
+from rlhf_core.training.sft import SFTConfig, eval_loss
 from tasks.demo_data import EVAL_PROMPTS, DemoDataConfig, DemoDataResult, run_demo_data_prep
 from tasks.io import read_parquet
 from tasks.sft import (SFTStageConfig, SFTStageResult, read_demonstrations, run_sft, save_pretrained_atomic,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.advantages import gae, sequence_advantages, whiten_advantages
-from rlhf_core.masking import masked_mean, masked_var
+from rlhf_core.ppo.advantages import gae, sequence_advantages, whiten_advantages
+from rlhf_core.ppo.masking import masked_mean, masked_var
 
 NAN, INF = float("nan"), float("inf")
 GAMMA, LAM = 0.9, 0.8  # gamma * lam = 0.72

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.annotators import (PerPairAnnotator, ReplyPair, RewardModelJudge, preference_pairs,
-                                  sample_reply_pairs)
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data import pair_id
 from rlhf_core.demo import SimulatedAnnotator, gold_score, render_prompt
-from rlhf_core.models import sequence_scores
-from rlhf_core.reward_training import PreferencePair
-from rlhf_core.text import encode_pair
+from rlhf_core.evaluation.annotators import (PerPairAnnotator, ReplyPair, RewardModelJudge, preference_pairs,
+                                             sample_reply_pairs)
+from rlhf_core.models.roles import sequence_scores
+from rlhf_core.models.text import encode_pair
+from rlhf_core.training.reward_training import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.best_of_n import (Candidates, best_of_n_curve, best_of_n_indices, best_of_n_kl, check_ns,
-                                 sample_candidates, score_candidates, take)
 from rlhf_core.config import GenerationConfig
-from rlhf_core.scoring import TextRewardFunction, decode_rollout
+from rlhf_core.evaluation.best_of_n import (Candidates, best_of_n_curve, best_of_n_indices, best_of_n_kl, check_ns,
+                                            sample_candidates, score_candidates, take)
+from rlhf_core.models.scoring import TextRewardFunction, decode_rollout
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 

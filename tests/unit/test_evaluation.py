@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.evaluation import (
+from rlhf_core.evaluation.metrics import (
     HackingRules,
     IterationEval,
     best_of_n_kl,

@@ -1,7 +1,7 @@
 """Gold stays on the evaluation side: no training code imports the gold scorer, no training table holds it.
 
 The demo task's gold scorer (``rlhf_core.demo.gold``) and the evaluation module built on it
-(``rlhf_core.demo_eval``) may be imported only by the demo task itself and by evaluation code. The simulated
+(``rlhf_core.evaluation.demo_eval``) may be imported only by the demo task itself and by evaluation code. The simulated
 annotator inside ``rlhf_core/demo/`` reads gold on purpose: it plays the human labeller.
 """
 
@@ -21,12 +21,12 @@ from tasks.demo_data import EVAL_PROMPTS, SFT_DEMONSTRATIONS, DemoDataConfig, ru
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = ("rlhf_core", "tasks", "flows")
 #: Modules that hold gold: the scorer itself and the evaluation helpers built on it.
-GOLD_MODULES = frozenset({"rlhf_core.demo.gold", "rlhf_core.demo_eval"})
+GOLD_MODULES = frozenset({"rlhf_core.demo.gold", "rlhf_core.evaluation.demo_eval"})
 #: Names that carry gold, however they are reached (``from rlhf_core.demo import gold_score``, ``demo.gold_score``).
 GOLD_NAMES = frozenset({"gold", "gold_score", "gold_breakdown", "reply_features", "RULES", "demo_eval"})
 #: Files allowed to read gold: the demo task, the evaluation module, and evaluation stages. tasks/sft.py is one:
 #: its gold report runs after training and goes to sft_metrics.json only.
-ALLOWED = ("rlhf_core/demo/*", "rlhf_core/demo_eval.py", "tasks/*eval*.py", "tasks/sft.py")
+ALLOWED = ("rlhf_core/demo/*", "rlhf_core/evaluation/demo_eval.py", "tasks/*eval*.py", "tasks/sft.py")
 #: Columns that would leak gold or the hidden prompt metadata into training.
 LEAKY_COLUMNS = frozenset({"gold", "gold_score", "score", "quality", "intent", "tone", "product", "other_product",
                            "order", "device", "message", "correct_action"})
@@ -72,26 +72,30 @@ def test_no_training_module_reads_gold() -> None:
     for path in layer_files():
         rel_path = path.relative_to(REPO).as_posix()
         found += violations(path.read_text(encoding="utf-8"), rel_path)
-    assert not found, "gold is for evaluation only; move these uses into rlhf_core/demo_eval.py:\n" + "\n".join(found)
+    assert not found, ("gold is for evaluation only; move these uses into rlhf_core/evaluation/demo_eval.py:\n"
+                       + "\n".join(found))
 
 
 def test_the_walk_sees_training_and_evaluation_modules() -> None:
     found = {p.relative_to(REPO).as_posix() for p in layer_files()}
-    assert {"rlhf_core/sft.py", "tasks/demo_data.py", "tasks/data_prep.py", "rlhf_core/demo_eval.py"} <= found
+    assert {"rlhf_core/training/sft.py", "tasks/demo_data.py", "tasks/data_prep.py",
+            "rlhf_core/evaluation/demo_eval.py"} <= found
     # the allowed evaluation module really does use gold, so the scan is looking at the right names
-    source = (REPO / "rlhf_core/demo_eval.py").read_text(encoding="utf-8")
-    assert any("gold_score" in what for _, what in gold_uses(source, "rlhf_core/demo_eval.py"))
+    source = (REPO / "rlhf_core/evaluation/demo_eval.py").read_text(encoding="utf-8")
+    assert any("gold_score" in what for _, what in gold_uses(source, "rlhf_core/evaluation/demo_eval.py"))
 
 
 @pytest.mark.parametrize(
     ("rel_path", "source", "what"),
     [
-        ("rlhf_core/ppo.py", "from rlhf_core.demo import gold_score\n", "rlhf_core.demo.gold_score"),
-        ("rlhf_core/ppo.py", "from rlhf_core.demo.gold import RULES\n", "rlhf_core.demo.gold.RULES"),
-        ("rlhf_core/ppo.py", "import rlhf_core.demo.gold\n", "rlhf_core.demo.gold"),
-        ("rlhf_core/ppo.py", "from rlhf_core import demo_eval\n", "rlhf_core.demo_eval"),
+        ("rlhf_core/training/ppo_step.py", "from rlhf_core.demo import gold_score\n", "rlhf_core.demo.gold_score"),
+        ("rlhf_core/training/ppo_step.py", "from rlhf_core.demo.gold import RULES\n", "rlhf_core.demo.gold.RULES"),
+        ("rlhf_core/training/ppo_step.py", "import rlhf_core.demo.gold\n", "rlhf_core.demo.gold"),
+        ("rlhf_core/training/ppo_step.py", "from rlhf_core.evaluation import demo_eval\n",
+         "rlhf_core.evaluation.demo_eval"),
         ("rlhf_core/sub/x.py", "from ..demo import gold_breakdown\n", "rlhf_core.demo.gold_breakdown"),
-        ("tasks/reward_model.py", "from rlhf_core.demo_eval import gold_summary\n", "rlhf_core.demo_eval.gold_summary"),
+        ("tasks/reward_model.py", "from rlhf_core.evaluation.demo_eval import gold_summary\n",
+         "rlhf_core.evaluation.demo_eval.gold_summary"),
         ("tasks/ppo.py", "from rlhf_core import demo\nx = demo.gold_score('p', 'r')\n", "<attribute>.gold_score"),
         ("flows/pipeline.py", "def f():\n    from rlhf_core.demo.gold import gold_score\n", "rlhf_core.demo.gold.gold_score"),
     ],
@@ -104,10 +108,10 @@ def test_checker_flags_gold_in_training_code(rel_path: str, source: str, what: s
     ("rel_path", "source"),
     [
         ("rlhf_core/demo/annotator.py", "from rlhf_core.demo.gold import gold_score\n"),
-        ("rlhf_core/demo_eval.py", "from rlhf_core.demo.gold import gold_breakdown, gold_score\n"),
-        ("tasks/heldout_eval.py", "from rlhf_core.demo_eval import gold_report\n"),
+        ("rlhf_core/evaluation/demo_eval.py", "from rlhf_core.demo.gold import gold_breakdown, gold_score\n"),
+        ("tasks/heldout_eval.py", "from rlhf_core.evaluation.demo_eval import gold_report\n"),
         ("tasks/demo_data.py", "from rlhf_core.demo import generate_preference_pairs, SimulatedAnnotator\n"),
-        ("rlhf_core/ppo.py", "from rlhf_core.demo import render_prompt\ngolden = 1\n"),
+        ("rlhf_core/training/ppo_step.py", "from rlhf_core.demo import render_prompt\ngolden = 1\n"),
     ],
 )
 def test_checker_allows_evaluation_code_and_the_annotator(rel_path: str, source: str) -> None:

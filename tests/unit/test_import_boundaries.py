@@ -20,7 +20,7 @@ LAYERS = ("rlhf_core", "tasks", "flows")
 
 #: Engines rlhf_core may use only through one small adapter module each.
 ADAPTER_ONLY = frozenset({"deepspeed", "peft"})
-ADAPTERS = frozenset({"rlhf_core/distributed.py", "rlhf_core/lora.py"})
+ADAPTERS = frozenset({"rlhf_core/distributed/zero.py", "rlhf_core/models/lora.py"})
 #: I/O, orchestration and upper layers that the pure core must never see.
 CORE_FORBIDDEN = frozenset({"prefect", "mlflow", "pandas", "pyarrow", "tasks", "flows"})
 
@@ -135,7 +135,7 @@ def test_layers_respect_one_way_imports():
 def test_the_walk_sees_the_core_modules():
     # guards against a silent pass because the walk found nothing
     found = {p.relative_to(REPO).as_posix() for p in layer_files()}
-    assert {"rlhf_core/masking.py", "rlhf_core/losses.py", "rlhf_core/advantages.py"} <= found
+    assert {"rlhf_core/ppo/masking.py", "rlhf_core/ppo/losses.py", "rlhf_core/ppo/advantages.py"} <= found
 
 
 # --- the checker itself must be able to fail ------------------------------------------------------------
@@ -153,9 +153,9 @@ def test_the_walk_sees_the_core_modules():
         ("rlhf_core/sub/x.py", "from flows import pipeline\n", 1, "flows"),
         ("rlhf_core/foo.py", "import importlib\nm = importlib.import_module('mlflow')\n", 2, "mlflow"),
         ("rlhf_core/foo.py", "m = __import__('pyarrow')\n", 1, "pyarrow"),
-        ("rlhf_core/models.py", "import deepspeed\n", 1, "deepspeed"),
-        ("rlhf_core/models.py", "from peft import LoraConfig\n", 1, "peft"),
-        ("rlhf_core/demo/lora.py", "import peft\n", 1, "peft"),  # only rlhf_core/lora.py itself is an adapter
+        ("rlhf_core/models/roles.py", "import deepspeed\n", 1, "deepspeed"),
+        ("rlhf_core/models/roles.py", "from peft import LoraConfig\n", 1, "peft"),
+        ("rlhf_core/demo/lora.py", "import peft\n", 1, "peft"),  # only rlhf_core/models/lora.py itself is an adapter
         ("tasks/train.py", "from flows.pipeline import run\n", 1, "flows.pipeline"),
         ("tasks/train.py", "import infra.deepspeed\n", 1, "infra.deepspeed"),
         ("flows/pipeline.py", "from infra import settings\n", 1, "infra"),
@@ -174,9 +174,9 @@ def test_checker_flags_synthetic_violation(rel_path, source, line, module):
     [
         ("rlhf_core/foo.py", "import torch\nimport numpy as np\nfrom transformers import AutoModel\n"),
         ("rlhf_core/foo.py", "import mlflowish\nimport tasks_helper\n"),  # only whole top-level names count
-        ("rlhf_core/distributed.py", "import deepspeed\n"),
-        ("rlhf_core/lora.py", "from peft import LoraConfig, get_peft_model\n"),
-        ("rlhf_core/demo/x.py", "from ..masking import masked_mean\nfrom . import data\n"),
+        ("rlhf_core/distributed/zero.py", "import deepspeed\n"),
+        ("rlhf_core/models/lora.py", "from peft import LoraConfig, get_peft_model\n"),
+        ("rlhf_core/demo/x.py", "from ..ppo.masking import masked_mean\nfrom . import data\n"),
         ("tasks/train.py", "import mlflow\nimport pandas as pd\nimport pyarrow.parquet\nfrom rlhf_core import ppo\n"),
         ("flows/pipeline.py", "from tasks import train\nimport prefect\n"),
     ],
@@ -186,9 +186,9 @@ def test_checker_allows_legal_imports(rel_path, source):
 
 
 def test_relative_imports_are_resolved():
-    tree = ast.parse("from ..data import rows\nfrom . import tokenizer\nfrom .. import masking\n")
+    tree = ast.parse("from ..data import rows\nfrom . import tokenizer\nfrom .. import config\n")
     found = [module for _, module in imported_modules(tree, "rlhf_core/demo/run.py")]
-    assert found == ["rlhf_core.data", "rlhf_core.demo.tokenizer", "rlhf_core.masking"]
+    assert found == ["rlhf_core.data", "rlhf_core.demo.tokenizer", "rlhf_core.config"]
     tree = ast.parse("from .sub import x\n")
     assert [m for _, m in imported_modules(tree, "rlhf_core/demo/__init__.py")] == ["rlhf_core.demo.sub"]
 

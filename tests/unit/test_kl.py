@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from rlhf_core.ppo.kl import AdaptiveKLController, FixedKLController, kl_estimate
 
 # log_ratio = logp - logp_ref = (0.5, -1.0, 0.0)
 LOGP = torch.tensor([[-1.0, -2.0, -0.5]])

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhf_core.checkpoint import TrainableView, trainable_view
 from rlhf_core.config import LoRAConfig, PPOConfig
-from rlhf_core.lora import (AdapterDisabled, LoRACritic, add_adapter, lora_layers, lora_policy, plain_model,
-                             target_modules)
-from rlhf_core.models import ValueHead, policy_forward, sequence_scores, token_scores
+from rlhf_core.models.lora import (AdapterDisabled, LoRACritic, add_adapter, lora_layers, lora_policy, plain_model,
+                                   target_modules)
+from rlhf_core.models.roles import ValueHead, policy_forward, sequence_scores, token_scores
+from rlhf_core.training.checkpoint import TrainableView, trainable_view
 from tasks.config import ConfigError, load_config
 from tests.tiny_models import gpt2_config
 

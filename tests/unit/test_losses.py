@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.losses import bradley_terry_loss, policy_loss, ppo_objective, value_loss
+from rlhf_core.ppo.losses import bradley_terry_loss, policy_loss, ppo_objective, value_loss
 
 NAN, INF = float("nan"), float("inf")
 CLIP = 0.2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.masking import (
+from rlhf_core.ppo.masking import (
     ended_with_stop,
     entropy_from_logits,
     last_token_index,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.masking import response_mask_from_stop
-from rlhf_core.rewards import RunningMoments, place_scores, shape_scores, token_rewards
+from rlhf_core.ppo.masking import response_mask_from_stop
+from rlhf_core.ppo.rewards import RunningMoments, place_scores, shape_scores, token_rewards
 
 NAN, INF = float("nan"), float("inf")
 STOP, PAD = 2, 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from rlhf_core.lm import (
+from rlhf_core.models.lm import (
     PRESETS,
     build_causal_lm,
     build_reward_model,
@@ -22,7 +22,8 @@ from rlhf_core.lm import (
     set_dropout,
     tiny_gpt_config,
 )
-from rlhf_core.sft import (
+from rlhf_core.models.tokenizer import train_bpe_tokenizer
+from rlhf_core.training.sft import (
     IGNORE_INDEX,
     SFTConfig,
     SFTResult,
@@ -32,8 +33,7 @@ from rlhf_core.sft import (
     reply_token_loss,
     train_sft,
 )
-from rlhf_core.sft import _train_step  # the accumulation logic itself is what is tested
-from rlhf_core.tokenizer import train_bpe_tokenizer
+from rlhf_core.training.sft import _train_step  # the accumulation logic itself is what is tested
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

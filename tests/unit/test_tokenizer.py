@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from rlhf_core.tokenizer import (
+from rlhf_core.models.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     MIN_VOCAB_SIZE,

@@ -14,12 +14,12 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.lora import add_training_adapter, merge_adapter
-from rlhf_core.losses import bradley_terry_loss
-from rlhf_core.memory import autocast, enable_gradient_checkpointing
-from rlhf_core.models import disable_dropout, sequence_scores
-from rlhf_core.strategy import Strategy, StrategyFactory, TrainableGroup, local_strategy, weighted_shard
-from rlhf_core.text import encode_pair, keep_tail, pad_id, right_pad
+from rlhf_core.models.lora import add_training_adapter, merge_adapter
+from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
+from rlhf_core.models.roles import disable_dropout, sequence_scores
+from rlhf_core.models.text import encode_pair, keep_tail, pad_id, right_pad
+from rlhf_core.ppo.losses import bradley_terry_loss
+from rlhf_core.training.strategy import Strategy, StrategyFactory, TrainableGroup, local_strategy, weighted_shard
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class RewardTrainingResult:
 
 
 class SequenceScorer(nn.Module):
-    """:func:`~rlhf_core.models.sequence_scores` of a reward model as a module of its own.
+    """:func:`~rlhf_core.models.roles.sequence_scores` of a reward model as a module of its own.
 
     The training forward goes through this module so that a training engine (DeepSpeed) can wrap all of it;
     it holds no weights of its own.
@@ -164,7 +164,7 @@ def train_reward_model(
     ``on_log(step, metrics)`` receives ``rm/train/loss``, ``rm/train/accuracy``, ``rm/train/grad_norm`` (before
     clipping) each step and
     ``rm/eval/*`` at each evaluation, so the caller can print progress and log to a tracker.
-    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.DeepSpeedFactory``: ZeRO over
+    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.zero.DeepSpeedFactory``: ZeRO over
     several processes, each passing the same pairs and training on its share of every batch); None = AdamW here.
     """
     if not train_pairs:

@@ -4,7 +4,7 @@ Layout of ``<root>/step_000010/``: ``policy.safetensors``, ``value.safetensors``
 ``reference.safetensors``, ``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors`` and
 ``state.json``. ``<root>/latest`` names the newest complete checkpoint; a directory only gets its final
 name after every file in it is written, so a run killed mid-save leaves the previous checkpoint intact.
-A DeepSpeed run (``rlhf_core.distributed``) writes the same weights and JSON files but keeps its optimizer
+A DeepSpeed run (``rlhf_core.distributed.zero``) writes the same weights and JSON files but keeps its optimizer
 and schedule in ``deepspeed/`` (DeepSpeed's own per-process shards, pickled) instead of ``optimizer.*``.
 """
 

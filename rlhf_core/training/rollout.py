@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import GenerationConfig
-from rlhf_core.lm_head import split_lm_head
-from rlhf_core.masking import ended_with_stop, response_mask_from_stop
+from rlhf_core.models.lm_head import split_lm_head
+from rlhf_core.ppo.masking import ended_with_stop, response_mask_from_stop
 
 
 @dataclass

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
-from rlhf_core.lm_head import split_lm_head
-from rlhf_core.masking import entropy_from_logits, last_token_index, logprobs_from_logits
-from rlhf_core.packing import padded_forward
+from rlhf_core.models.lm_head import split_lm_head
+from rlhf_core.models.packing import padded_forward
+from rlhf_core.ppo.masking import entropy_from_logits, last_token_index, logprobs_from_logits
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.masking import masked_whiten
+from rlhf_core.ppo.masking import masked_whiten
 
 
 def gae(

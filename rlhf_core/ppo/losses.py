@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.masking import masked_mean
+from rlhf_core.ppo.masking import masked_mean
 
 
 @dataclass(frozen=True)

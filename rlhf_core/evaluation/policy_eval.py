@@ -1,7 +1,7 @@
 """Held-out evaluation of a policy against its reference: replies, per-sequence KL, and the comparison metrics.
 
 Pure torch/transformers helpers for the heldout-eval stage (``tasks/evaluate.py``). No gold here: judges are
-passed in as :class:`~rlhf_core.scoring.Scorer` objects, and text-only judges (the demo's gold scorer) are
+passed in as :class:`~rlhf_core.models.scoring.Scorer` objects, and text-only judges (the demo's gold scorer) are
 added by the caller with :func:`with_scores`.
 
 Conventions:
@@ -23,12 +23,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
-from rlhf_core.evaluation import (distinct_n, mean_repetition_rate, self_similarity, sequence_kl, sequence_kl_k3,
-                                  spearman, win_rate)
-from rlhf_core.models import policy_forward
-from rlhf_core.rollout import Rollout, generate_in_batches
-from rlhf_core.scoring import Scorer, decode_rollout
-from rlhf_core.text import pad_id
+from rlhf_core.evaluation.metrics import (distinct_n, mean_repetition_rate, self_similarity, sequence_kl,
+                                          sequence_kl_k3, spearman, win_rate)
+from rlhf_core.models.roles import policy_forward
+from rlhf_core.models.scoring import Scorer, decode_rollout
+from rlhf_core.models.text import pad_id
+from rlhf_core.training.rollout import Rollout, generate_in_batches
 
 #: Temperature at which policy and reference log-probs are compared: the models' own distributions.
 KL_TEMPERATURE = 1.0

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.experience import Experience, PPOModels, collect_experience
-from rlhf_core.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
-from rlhf_core.lora import AdapterDisabled
-from rlhf_core.losses import policy_loss, ppo_objective, value_loss
-from rlhf_core.masking import masked_mean, masked_var
-from rlhf_core.memory import autocast, enable_gradient_checkpointing
-from rlhf_core.models import critic_forward, policy_forward
-from rlhf_core.rewards import RunningMoments
-from rlhf_core.stats import PPOStats, TimeStats, UpdateStats
-from rlhf_core.strategy import (
+from rlhf_core.models.lora import AdapterDisabled
+from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
+from rlhf_core.models.roles import critic_forward, policy_forward
+from rlhf_core.ppo.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
+from rlhf_core.ppo.losses import policy_loss, ppo_objective, value_loss
+from rlhf_core.ppo.masking import masked_mean, masked_var
+from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.ppo.stats import PPOStats, TimeStats, UpdateStats
+from rlhf_core.training.experience import Experience, PPOModels, collect_experience
+from rlhf_core.training.strategy import (
     LocalStrategy,
     Strategy,
     StrategyFactory,

@@ -12,16 +12,16 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from rlhf_core.advantages import gae, sequence_advantages, whiten_advantages
 from rlhf_core.config import PPOConfig
-from rlhf_core.kl import kl_estimate
-from rlhf_core.masking import masked_mean, masked_sum
-from rlhf_core.memory import autocast
-from rlhf_core.models import Critic, ValueHead, critic_forward, policy_forward
-from rlhf_core.rewards import RunningMoments, shape_scores, token_rewards
-from rlhf_core.rollout import Rollout, generate_in_batches
-from rlhf_core.scoring import Scorer
-from rlhf_core.stats import RolloutStats
+from rlhf_core.models.memory import autocast
+from rlhf_core.models.roles import Critic, ValueHead, critic_forward, policy_forward
+from rlhf_core.models.scoring import Scorer
+from rlhf_core.ppo.advantages import gae, sequence_advantages, whiten_advantages
+from rlhf_core.ppo.kl import kl_estimate
+from rlhf_core.ppo.masking import masked_mean, masked_sum
+from rlhf_core.ppo.rewards import RunningMoments, shape_scores, token_rewards
+from rlhf_core.ppo.stats import RolloutStats
+from rlhf_core.training.rollout import Rollout, generate_in_batches
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PPOModels:
 GatherScored = Callable[
     [Rollout, tuple[torch.Tensor, ...], torch.Tensor], tuple[Rollout, tuple[torch.Tensor, ...], torch.Tensor]
 ]
-"""(rollout, per-token tensors, scores) of this rank -> the same for the whole batch (rlhf_core.strategy)."""
+"""(rollout, per-token tensors, scores) of this rank -> the same for the whole batch (rlhf_core.training.strategy)."""
 
 
 @dataclass

@@ -11,9 +11,9 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.models import sequence_scores
-from rlhf_core.rollout import Rollout
-from rlhf_core.text import keep_tail, pad_id, right_pad, same_vocabulary
+from rlhf_core.models.roles import sequence_scores
+from rlhf_core.models.text import keep_tail, pad_id, right_pad, same_vocabulary
+from rlhf_core.training.rollout import Rollout
 
 
 class Scorer(Protocol):

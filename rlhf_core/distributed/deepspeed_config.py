@@ -1,6 +1,6 @@
 """DeepSpeed JSON configs for the training loops: checks and "auto" fields (no deepspeed import needed).
 
-``rlhf_core.distributed`` builds its engines from what :func:`resolve_config` returns. ``"auto"`` is filled
+``rlhf_core.distributed.zero`` builds its engines from what :func:`resolve_config` returns. ``"auto"`` is filled
 from our settings and the model; settings the loops cannot honour (an optimizer or scheduler block, ZeRO
 stages 0/1, DeepSpeed-managed gradient accumulation, fp16 loss scaling) are refused, naming the key.
 """

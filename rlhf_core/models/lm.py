@@ -21,8 +21,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rlhf_core.models import fuse_activations
-from rlhf_core.tokenizer import check_special_tokens
+from rlhf_core.models.roles import fuse_activations
+from rlhf_core.models.tokenizer import check_special_tokens
 
 
 @dataclass(frozen=True)

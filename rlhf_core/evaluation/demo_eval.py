@@ -18,10 +18,10 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.demo.gold import gold_breakdown, gold_score
 from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
-from rlhf_core.policy_eval import fit_max_new_tokens
-from rlhf_core.reward_training import PreferencePair
-from rlhf_core.rollout import generate_in_batches
-from rlhf_core.text import encode_prompt, pad_id
+from rlhf_core.evaluation.policy_eval import fit_max_new_tokens
+from rlhf_core.models.text import encode_prompt, pad_id
+from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.training.rollout import generate_in_batches
 
 @dataclass(frozen=True)
 class SampledReplies:

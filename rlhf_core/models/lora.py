@@ -27,8 +27,8 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf_core.config import LoRAConfig
-from rlhf_core.models import disable_dropout, split_classifier
-from rlhf_core.rollout import positions_from_mask
+from rlhf_core.models.roles import disable_dropout, split_classifier
+from rlhf_core.training.rollout import positions_from_mask
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Every linear layer of the transformer blocks (QLoRA found adapting all of them matches full fine-tuning
@@ -137,7 +137,8 @@ class AdapterDisabled(nn.Module):
 
     def runs_under(self) -> tuple[PeftModel, contextlib.AbstractContextManager]:
         """(the policy, a context in which it computes this reference's outputs): lets
-        :func:`rlhf_core.models.policy_forward` take the same (head-only) path for the reference as for the policy."""
+        :func:`rlhf_core.models.roles.policy_forward` take the same (head-only) path for the reference as for the
+        policy."""
         return self.policy, self._adapter_off()
 
     @contextlib.contextmanager
@@ -183,7 +184,7 @@ class LoRACritic(nn.Module):
     """Value model = the reward model + a LoRA adapter on its backbone + a trainable copy of its score head.
 
     The reward model's weights are shared with the scorer (one frozen copy); only the adapter and the head
-    (hidden_size + 1 numbers) train. Same call signature as :class:`rlhf_core.models.Critic`.
+    (hidden_size + 1 numbers) train. Same call signature as :class:`rlhf_core.models.roles.Critic`.
     """
 
     def __init__(self, reward_model: PreTrainedModel, config: LoRAConfig, seed: int = 0) -> None:

@@ -18,8 +18,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rlhf_core.kl import KLEstimator, kl_estimate
-from rlhf_core.masking import masked_sum
+from rlhf_core.ppo.kl import KLEstimator, kl_estimate
+from rlhf_core.ppo.masking import masked_sum
 
 #: Above this many texts, :func:`self_similarity` averages over a deterministic sample of pairs.
 SELF_SIMILARITY_MAX_TEXTS = 512

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from rlhf_core.checkpoint import latest_checkpoint, load_weights, trainable_view
 from rlhf_core.config import PPOConfig
-from rlhf_core.experience import PPOModels
-from rlhf_core.ppo import PPOState, make_kl_controller, ppo_step, prepare_training
-from rlhf_core.sampler import PromptSampler
-from rlhf_core.stats import PPOStats
-from rlhf_core.strategy import LocalStrategy, StrategyFactory
+from rlhf_core.ppo.stats import PPOStats
+from rlhf_core.training.checkpoint import latest_checkpoint, load_weights, trainable_view
+from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
+from rlhf_core.training.sampler import PromptSampler
+from rlhf_core.training.strategy import LocalStrategy, StrategyFactory
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def train_ppo(
     controller, score statistics, sampler cursor and every RNG are restored. With a ``checkpoint_dir``
     the last step is always checkpointed, whatever ``checkpoint_every`` says.
 
-    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.DeepSpeedFactory``: ZeRO over
+    ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.zero.DeepSpeedFactory``: ZeRO over
     several processes, each calling ``train_ppo`` with the same arguments); None = AdamW in this process.
     """
     models, strategy = prepare_training(models, config, make_strategy)

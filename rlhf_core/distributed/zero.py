@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stage 2 or 3, optionally offloading to CPU) for reward-model and PPO training.
 
-The only module that imports deepspeed. It provides a :class:`~rlhf_core.strategy.StrategyFactory`
+The only module that imports deepspeed. It provides a :class:`~rlhf_core.training.strategy.StrategyFactory`
 (:class:`DeepSpeedFactory`), so ``train_reward_model`` and ``train_ppo`` run unchanged on N processes started
 by ``torchrun`` or the ``deepspeed`` launcher, each calling them with the same arguments:
 
@@ -8,14 +8,14 @@ by ``torchrun`` or the ``deepspeed`` launcher, each calling them with the same a
   schedule, so the per-model learning rates and gradient-norm clips of the one-process path are kept;
 - micro-batch gradient accumulation is ours (``managed_gradient_accumulation: false``): DeepSpeed averages
   each rank's accumulated gradients over ranks at ``step()``; the training loops scale each rank's losses
-  to its share of the batch (``rlhf_core.strategy``), so the update equals the one-process update;
+  to its share of the batch (``rlhf_core.training.strategy``), so the update equals the one-process update;
 - rollouts: each rank generates and scores its share of the prompts; under ZeRO-3 on a plain copy of the
   policy (and critic) filled from the gathered shards for the rollout phase (:meth:`DeepSpeedStrategy.inference`),
   because generation lengths differ per rank and ZeRO-3's layer-by-layer gathers are collective. Reference
   and reward models stay whole on every rank (they are not trained).
 
 DeepSpeed configs (``infra/deepspeed/*.json``) may say ``"auto"`` where our config knows the value (see
-:mod:`rlhf_core.deepspeed_config`); the optimizer and its schedule always come from our config.
+:mod:`rlhf_core.distributed.deepspeed_config`); the optimizer and its schedule always come from our config.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from safetensors.torch import load_model, save_file
 from torch import nn
 
-from rlhf_core.checkpoint import DEEPSPEED_DIR, publish, read_run_state, write_run_state
-from rlhf_core.deepspeed_config import check_config, offloads_optimizer, resolve_config
-from rlhf_core.strategy import LRLambda, TrainableGroup
+from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_config
+from rlhf_core.training.checkpoint import DEEPSPEED_DIR, publish, read_run_state, write_run_state
+from rlhf_core.training.strategy import LRLambda, TrainableGroup
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
 
 @dataclass
 class DeepSpeedFactory:
-    """:class:`~rlhf_core.strategy.StrategyFactory` that puts each trained model in its own DeepSpeed engine.
+    """:class:`~rlhf_core.training.strategy.StrategyFactory` that puts each trained model in its own DeepSpeed engine.
 
     Call :func:`init_distributed` first. With CPU offload of the optimizer, Adam is DeepSpeed's vectorised
     ``DeepSpeedCPUAdam`` (a C++ op compiled on first use, minutes, then cached in ``TORCH_EXTENSIONS_DIR``)
@@ -131,7 +131,7 @@ def _adam(group: TrainableGroup, weight_decay: float, config: dict[str, Any]) ->
 
 
 class DeepSpeedStrategy:
-    """:class:`~rlhf_core.strategy.Strategy` over DeepSpeed engines, one per trained model."""
+    """:class:`~rlhf_core.training.strategy.Strategy` over DeepSpeed engines, one per trained model."""
 
     def __init__(self, engines: Sequence[DeepSpeedEngine], shadows: Sequence[nn.Module | None] = ()) -> None:
         self.engines = list(engines)

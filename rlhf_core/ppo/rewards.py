@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.masking import last_token_index
+from rlhf_core.ppo.masking import last_token_index
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.lm import dropout_override
-from rlhf_core.tokenizer import check_special_tokens
+from rlhf_core.models.lm import dropout_override
+from rlhf_core.models.tokenizer import check_special_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The PPO update and reward-model training call only the :class:`Strategy` interface (backward, step,
 zero_grad, and a few data-parallel questions), so the algorithm is written once. :class:`LocalStrategy` is
-one process with a torch AdamW; ``rlhf_core.distributed`` builds the DeepSpeed ZeRO one (the only module
+one process with a torch AdamW; ``rlhf_core.distributed.zero`` builds the DeepSpeed ZeRO one (the only module
 that imports deepspeed) from the same :class:`TrainableGroup` list through a :class:`StrategyFactory`.
 
 Data-parallel contract, what makes N processes compute what one process computes:
@@ -25,9 +25,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from rlhf_core.checkpoint import load_checkpoint, save_checkpoint
-from rlhf_core.experience import concat_rollouts
-from rlhf_core.rollout import Rollout
+from rlhf_core.training.checkpoint import load_checkpoint, save_checkpoint
+from rlhf_core.training.experience import concat_rollouts
+from rlhf_core.training.rollout import Rollout
 
 T = TypeVar("T")
 LRLambda = Callable[[int], float]
@@ -183,14 +183,14 @@ class LocalStrategy:
 
     def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
                         generator: torch.Generator, state: dict[str, Any]) -> Path:
-        """:func:`rlhf_core.checkpoint.save_checkpoint` with the scheduler state in ``state.json``."""
+        """:func:`rlhf_core.training.checkpoint.save_checkpoint` with the scheduler state in ``state.json``."""
         if self.scheduler is not None:
             state = {**state, "scheduler": self.scheduler.state_dict()}
         return save_checkpoint(root, step, modules, self.optimizer, generator, state)
 
     def load_checkpoint(self, path: str | os.PathLike[str], modules: dict[str, nn.Module],
                         generator: torch.Generator) -> dict[str, Any]:
-        """:func:`rlhf_core.checkpoint.load_checkpoint` plus the scheduler."""
+        """:func:`rlhf_core.training.checkpoint.load_checkpoint` plus the scheduler."""
         saved = load_checkpoint(path, modules, self.optimizer, generator)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])

@@ -22,11 +22,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data.split import pair_id
-from rlhf_core.models import sequence_scores
-from rlhf_core.reward_training import PreferencePair
-from rlhf_core.rollout import generate_in_batches
-from rlhf_core.scoring import decode_rollout
-from rlhf_core.text import encode_pair, encode_prompt, keep_tail, pad_id, right_pad
+from rlhf_core.models.roles import sequence_scores
+from rlhf_core.models.scoring import decode_rollout
+from rlhf_core.models.text import encode_pair, encode_prompt, keep_tail, pad_id, right_pad
+from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.training.rollout import generate_in_batches
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ subsets are nested (the n=4 pool holds the n=2 pool), so one sampling pass serve
 score of the chosen reply can only grow with ``n``.
 
 KL: best-of-n needs no KL estimate. Its distance from the sampling distribution is analytic,
-``KL(best-of-n || base) = log(n) - (n - 1) / n`` nats (:func:`rlhf_core.evaluation.best_of_n_kl`; Stiennon et
+``KL(best-of-n || base) = log(n) - (n - 1) / n`` nats (:func:`rlhf_core.evaluation.metrics.best_of_n_kl`; Stiennon et
 al. 2020, Gao et al. 2022). Two caveats when reading it next to PPO's measured KL:
 - it is exact when the n samples are almost surely distinct and an upper bound otherwise (Beirami et al. 2024);
   short replies from a small model do repeat, so the true KL sits at or below the plotted one;
 - "base" is the *sampling* distribution. It is the SFT policy itself only when sampling at temperature 1
   without top-k / top-p; at other settings the KL is to the tempered / truncated SFT policy.
 
-Pure torch/transformers. Judges are :class:`~rlhf_core.scoring.Scorer` objects; text-only judges (the demo's
+Pure torch/transformers. Judges are :class:`~rlhf_core.models.scoring.Scorer` objects; text-only judges (the demo's
 gold scorer) are applied by the caller on :attr:`Candidates.replies` and passed in as a ``(P, N)`` tensor.
 """
 
@@ -26,10 +26,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
-from rlhf_core.evaluation import best_of_n_kl
-from rlhf_core.rollout import Rollout, generate_in_batches
-from rlhf_core.scoring import Scorer, decode_rollout
-from rlhf_core.text import pad_id
+from rlhf_core.evaluation.metrics import best_of_n_kl
+from rlhf_core.models.scoring import Scorer, decode_rollout
+from rlhf_core.models.text import pad_id
+from rlhf_core.training.rollout import Rollout, generate_in_batches
 
 __all__ = ["BestOfNPoint", "Candidates", "best_of_n_curve", "best_of_n_indices", "best_of_n_kl", "check_ns",
            "sample_candidates", "score_candidates", "take"]
