@@ -145,7 +145,7 @@ def _sft(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: Fixt
     from rlhf_core.training.sft import SFTConfig, train_sft
 
     demos = [(d["prompt"], d["reply"]) for d in generate_sft_demonstrations(spec.sft_demonstrations + 64, spec.seed)]
-    config = SFTConfig(epochs=1, batch_size=32, micro_batch_size=32, lr=2e-3, warmup_steps=10,
+    config = SFTConfig(epochs=1, batch_size=32, micro_batch_size=32, learning_rate=2e-3, warmup_steps=10,
                        max_length=min(128, spec.n_positions),
                        eval_every=0, log_every=0, seed=spec.seed)
     result = train_sft(policy, tokenizer, demos[64:], demos[:64], config)

@@ -1,5 +1,6 @@
 """The `rlhf` command line. One subcommand per job; `prep` runs data-prep alone (`prep --demo` on the
-generated customer-support task).
+generated customer-support task), with its flags turned into config overrides and loaded by
+``tasks.config.load_config`` like those of `rlhf run`.
 
 Each subcommand registers itself with `_add_<name>(subparsers)` and sets a `handler(args) -> exit code`,
 so demo / run / resume / stage / runs slot in beside `prep`.
@@ -8,15 +9,13 @@ so demo / run / resume / stage / runs slot in beside `prep`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from flows.commands import add_pipeline_commands
 from rlhf_core.data import DataError, DataPrepConfig, InputFormat
-
-if TYPE_CHECKING:
-    from tasks.demo_data import DemoDataResult
+from rlhf_core.demo.config import DemoDataConfig
 
 EXIT_DATA_ERROR = 2
 
@@ -31,51 +30,81 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_prep(subparsers: argparse._SubParsersAction) -> None:
-    defaults = DataPrepConfig()
+    # Flag defaults stay None: an unset flag leaves the config's default (tasks/config.py), the single source.
+    data, demo = DataPrepConfig(), DemoDataConfig()
     prep = subparsers.add_parser(
         "prep", help="validate, dedupe and split preference data into Parquet tables",
         description="Read preference files (Parquet / JSONL / CSV; TRL, HH or chat format), quarantine bad rows "
-        "with a reason, dedupe, split by prompt hash, and write Parquet tables under --out.",
+        "with a reason, dedupe, split by prompt hash, and write Parquet tables under --out. The flags are "
+        "settings of the pipeline config (the key each sets is in its help) and are checked like "
+        "`rlhf run` overrides; --set KEY=VALUE gives any other setting (e.g. data.prep.train_fraction).",
     )
-    prep.add_argument("inputs", nargs="*", metavar="INPUT", help="preference file(s): local paths or URIs")
+    prep.add_argument("inputs", nargs="*", metavar="INPUT", help="preference file(s): local paths or URIs "
+                      "(data.files)")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory for the Parquet tables")
-    prep.add_argument("--format", choices=[f.value for f in InputFormat], default=defaults.input_format.value,
-                      help="input format (default: detect per file)")
-    prep.add_argument("--prompts", metavar="FILE", help="separate PPO prompts file (column 'prompt')")
-    prep.add_argument("--max-quarantine-fraction", type=float, default=defaults.max_quarantine_fraction,
-                      metavar="F", help="fail when more than this fraction of rows is quarantined")
-    prep.add_argument("--max-length", type=int, default=defaults.max_length, metavar="N",
-                      help="longest prompt + response (characters, or tokens with --tokenizer)")
+    prep.add_argument("--format", metavar="FORMAT", help="input format: "
+                      f"{', '.join(f.value for f in InputFormat)} (data.prep.input_format; default: "
+                      f"{data.input_format.value}, detect per file)")
+    prep.add_argument("--prompts", metavar="FILE", help="separate PPO prompts file, column 'prompt' "
+                      "(data.prompts_file)")
+    prep.add_argument("--max-quarantine-fraction", metavar="F", help="fail when more than this fraction of rows "
+                      f"is quarantined (data.prep.max_quarantine_fraction; default {data.max_quarantine_fraction})")
+    prep.add_argument("--max-length", metavar="N", help="longest prompt + response, characters or tokens with "
+                      "--tokenizer (data.prep.max_length; default: no limit)")
     prep.add_argument("--tokenizer", metavar="NAME_OR_PATH",
                       help="tokenizer for token lengths and chat templates (local path or cached id)")
-    _add_demo_options(prep)
+    prep.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                      help="any other config setting, e.g. --set data.prep.heldout_fraction=0.2 (repeatable; "
+                      "applied after the flags)")
+    group = prep.add_argument_group("demo task", "generate the embedded customer-support task instead of reading "
+                                    "files")
+    group.add_argument("--demo", action="store_true", help="generate the demo task's data (no INPUT files; "
+                       "data.source=demo)")
+    group.add_argument("--seed", metavar="N", help="seed of the generated data (the config's seed; default 0)")
+    group.add_argument("--pairs", metavar="N", help=f"preference pairs to generate (data.demo.n_pairs; "
+                       f"default {demo.n_pairs})")
+    group.add_argument("--sft-demos", metavar="N", help=f"SFT demonstrations to generate (data.demo.n_sft; "
+                       f"default {demo.n_sft})")
+    group.add_argument("--eval-prompts", metavar="N", help="evaluation prompts with hidden metadata to generate "
+                       f"(data.demo.n_eval_prompts; default {demo.n_eval_prompts})")
     prep.set_defaults(handler=_run_prep)
 
 
-def _add_demo_options(prep: argparse.ArgumentParser) -> None:
-    # Defaults stay None (= DemoDataConfig's own), so building the parser never imports the stage.
-    demo = prep.add_argument_group("demo task", "generate the embedded customer-support task instead of reading files")
-    demo.add_argument("--demo", action="store_true", help="generate the demo task's data (no INPUT files)")
-    demo.add_argument("--seed", type=int, metavar="N", help="seed of the generated data (default 0)")
-    demo.add_argument("--pairs", type=int, metavar="N", help="preference pairs to generate (default 4000)")
-    demo.add_argument("--sft-demos", type=int, metavar="N", help="SFT demonstrations to generate (default 4000)")
-    demo.add_argument("--eval-prompts", type=int, metavar="N",
-                      help="evaluation prompts with hidden metadata to generate (default 256)")
+#: prep flag -> the config key it sets (flag values go through the loader as text, exactly like overrides).
+PREP_FLAGS = {"format": "data.prep.input_format", "max_length": "data.prep.max_length",
+              "max_quarantine_fraction": "data.prep.max_quarantine_fraction"}
+DEMO_FLAGS = {"seed": "seed", "pairs": "data.demo.n_pairs", "sft_demos": "data.demo.n_sft",
+              "eval_prompts": "data.demo.n_eval_prompts"}
+
+
+def prep_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``KEY=VALUE`` overrides that the prep flags stand for, then the user's ``--set`` ones."""
+    if args.demo:
+        overrides = ["data.source=demo"]
+    else:
+        # prep runs no refresh stage, whose default simulated annotator would reject a files source
+        overrides = ["data.source=files", f"data.files={json.dumps(list(args.inputs))}", "refresh.enabled=false"]
+        if args.prompts is not None:
+            overrides.append(f"data.prompts_file={json.dumps(args.prompts)}")
+    flags = {**PREP_FLAGS, **DEMO_FLAGS}
+    overrides += [f"{key}={getattr(args, name)}" for name, key in flags.items() if getattr(args, name) is not None]
+    return overrides + list(args.overrides)
 
 
 def _run_prep(args: argparse.Namespace) -> int:
-    from tasks.data_prep import run_data_prep  # deferred: keeps `rlhf --help` free of the prefect import
+    # deferred: keeps `rlhf --help` free of the prefect and torch imports
+    from tasks.config import load_config
+    from tasks.data_prep import run_data_prep
 
     _check_prep_sources(args)
-    try:
-        config = DataPrepConfig(input_format=InputFormat(args.format), max_length=args.max_length,
-                                max_quarantine_fraction=args.max_quarantine_fraction)
-    except ValueError as err:
-        raise DataError(f"invalid setting: {err}") from err
-    if args.demo:
-        result = _run_demo_prep(args, config)
+    config = load_config(None, None, prep_overrides(args))
+    data = config.data
+    if data.source == "demo":
+        from tasks.demo_data import run_demo_data_prep
+
+        result = run_demo_data_prep(args.out, data.demo, data.prep, config.seed)
     else:
-        result = run_data_prep(args.inputs, args.out, config, args.prompts, args.tokenizer)
+        result = run_data_prep(list(data.files), args.out, data.prep, data.prompts_file, args.tokenizer)
     print(result.summary())
     return 0
 
@@ -87,20 +116,9 @@ def _check_prep_sources(args: argparse.Namespace) -> None:
     if args.demo:
         clashes = [name for name, value in (("INPUT", args.inputs), ("--prompts", args.prompts),
                                             ("--tokenizer", args.tokenizer)) if value]
-        clashes += ["--format"] if args.format != InputFormat.AUTO.value else []
+        clashes += ["--format"] if args.format not in (None, InputFormat.AUTO.value) else []
         if clashes:
             raise DataError(f"--demo generates its own data; drop {', '.join(clashes)} or drop --demo")
-
-
-def _run_demo_prep(args: argparse.Namespace, config: DataPrepConfig) -> DemoDataResult:
-    from tasks.demo_data import DemoDataConfig, run_demo_data_prep
-
-    given = {"seed": args.seed, "pairs": args.pairs, "sft_demos": args.sft_demos, "eval_prompts": args.eval_prompts}
-    try:
-        demo = DemoDataConfig(**{name: value for name, value in given.items() if value is not None})
-    except ValueError as err:
-        raise DataError(f"invalid setting: {err}") from err
-    return run_demo_data_prep(args.out, demo, config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,7 +68,7 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None, help="state directory (default: the config's, .rlhf_state)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides, e.g. ppo.ppo.kl.coef=0.1 ppo.iterations=2")
+                        help="config overrides, e.g. ppo.kl.coef=0.1 ppo.iterations=2")
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ STAGE_SECTIONS = {
     "data-prep": ("data",),
     "sft": ("data", "sft", "tracking"),
     "reward-model": ("sft", "reward_model", "tracking"),
-    "best-of-n": ("data", "ppo.ppo.generation", "eval", "reward_model"),
+    "best-of-n": ("data", "ppo.generation", "eval", "reward_model"),
     "ppo-iteration": ("ppo", "tracking"),
     "heldout-eval": ("data", "ppo", "eval", "reward_model", "tracking"),
     "rm-refresh": ("data", "ppo", "reward_model", "refresh", "tracking"),

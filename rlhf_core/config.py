@@ -45,13 +45,13 @@ class KLConfig:
     """The KL leash between the policy and the frozen reference."""
 
     coef: float = 0.05
-    """Initial beta (TRL 0.05, OpenRLHF 0.01, verl 0.001)."""
+    """Initial KL coefficient (TRL 0.05, OpenRLHF 0.01, verl 0.001)."""
     estimator: KLEstimator = "k1"
     """Per-token KL estimator used for the penalty: k1 (TRL default), k2, k3, abs."""
     placement: Literal["reward", "loss"] = "reward"
-    """'reward': -beta*kl in the per-token reward (InstructGPT); 'loss': beta*KL added to the loss (GRPO-style)."""
+    """'reward': -coef*kl in the per-token reward (InstructGPT); 'loss': coef*KL added to the loss (GRPO-style)."""
     adaptive: bool = False
-    """Adapt beta towards `target` per-sequence KL (Ziegler et al.); else beta stays fixed."""
+    """Adapt coef towards `target` per-sequence KL (Ziegler et al.); else coef stays fixed."""
     target: float = 6.0
     """Target per-sequence KL (nats, summed over tokens) for the adaptive controller."""
     horizon: float = 10000.0
@@ -118,7 +118,8 @@ class PPOConfig:
     warmup_steps: int = 0
     """Linear warm-up optimizer steps."""
     total_updates: int = 100
-    """Planned PPO updates (used only by the linear schedule)."""
+    """Planned PPO updates (used only by the linear schedule). The pipeline derives it: ``ppo.iterations x
+    ppo.updates_per_iteration``."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip per model (TRL's PPO never applied its own; we do)."""
     clip_range: float = 0.2

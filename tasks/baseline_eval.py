@@ -7,7 +7,7 @@ the chosen replies against the analytic KL ``log n - (n - 1) / n``. ``BestOfNRes
 heldout-eval call (``run_heldout_eval(..., best_of_n=...)``), which draws it on the same over-optimisation
 plot as the PPO iterations.
 
-Sampling matches heldout-eval: PPO's rollout settings (``config.ppo.ppo.generation``) at ``eval.temperature``,
+Sampling matches heldout-eval: PPO's rollout settings (``config.ppo.generation``) at ``eval.temperature``,
 except that greedy evaluation (temperature 0) would make the n samples identical, so best-of-n then samples at
 the rollout temperature. The proxy RM is the one PPO starts from; an rm-refresh later in the run does not move
 the baseline.
@@ -124,7 +124,7 @@ best_of_n_task = task(name="best-of-n", retries=1, retry_delay_seconds=10,
 def sampling_temperature(config: PipelineConfig) -> float:
     """``eval.temperature``, or the rollout temperature when evaluation is greedy (0): n greedy replies to a
     prompt are all the same, which would make best-of-n a flat line."""
-    return config.eval.temperature if config.eval.temperature > 0 else config.ppo.ppo.generation.temperature
+    return config.eval.temperature if config.eval.temperature > 0 else config.ppo.generation.temperature
 
 
 def sample_and_score(config: PipelineConfig, prompts: Sequence[str], sft_uri: str, proxy_rm_uri: str,
@@ -137,7 +137,7 @@ def sample_and_score(config: PipelineConfig, prompts: Sequence[str], sft_uri: st
     scorers = {"proxy": reward_scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
                "heldout": reward_scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-    base = config.ppo.ppo.generation
+    base = config.ppo.generation
     budget = fit_max_new_tokens(policy, prompt_ids, base.max_new_tokens)
     generation = evaluation_generation(base, sampling_temperature(config), config.eval.batch_size, budget)
     candidates = sample_candidates(policy, tokenizer, prompt_ids, n_max, generation, config.seed)

@@ -89,7 +89,7 @@ def stage_key(stage: str, sections: Mapping[str, Any], inputs: Mapping[str, Any]
 
 
 def config_sections(config: PipelineConfig, names: Iterable[str]) -> dict[str, Any]:
-    """Selected config sections (dotted paths such as ``ppo.ppo.generation`` reach inside one), plus the seed,
+    """Selected config sections (dotted paths such as ``ppo.generation`` reach inside one), plus the seed,
     device and dtype, which every stage uses."""
     full = config_to_dict(config)
     selected = {"seed": full["seed"], "device": full["device"], "dtype": full["dtype"]}

@@ -1,9 +1,11 @@
 """One typed configuration for the whole pipeline, loaded from a preset, a YAML file and dotted overrides.
 
-The stage settings reuse the frozen dataclasses of ``rlhf_core`` (``PPOConfig``, ``RewardTrainingConfig``,
-``SFTConfig``, ``DataPrepConfig``); this module adds the sections around them and a strict loader:
+The stage settings reuse the frozen dataclasses of ``rlhf_core``: ``PPOSection`` IS a ``PPOConfig`` and
+``SFTSection`` an ``SFTConfig`` (each adds the pipeline's own fields), ``reward_model.training`` is a
+``RewardTrainingConfig``, ``data.prep`` a ``DataPrepConfig`` and ``data.demo`` a ``DemoDataConfig``. This module
+adds the sections around them and a strict loader:
 
-    cfg = load_config("my.yaml", preset="tiny", overrides=["ppo.ppo.kl.coef=0.1", "data.demo.n_pairs=500"])
+    cfg = load_config("my.yaml", preset="tiny", overrides=["ppo.kl.coef=0.1", "data.demo.n_pairs=500"])
 
 Layers apply in that order (preset, then the file, then each override). Conversion is driven by the
 dataclasses' type hints (``tasks.typed_yaml``): an unknown key or a value of the wrong type fails with a
@@ -12,43 +14,21 @@ dataclasses' type hints (``tasks.typed_yaml``): an unknown key or a value of the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.data import DataPrepConfig
-from rlhf_core.demo import DEFAULT_TEMPERATURE
-from rlhf_core.models.lm import PRESETS as MODEL_SIZES
+from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE
+from rlhf_core.demo.config import DemoDataConfig
+from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
 from rlhf_core.training.sft import SFTConfig
-from tasks.typed_yaml import ConfigError, build, merge_layer, parse_override, read_yaml
+from tasks.typed_yaml import ConfigError, build, derived, merge_layer, parse_override, read_yaml
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
-
-
-@dataclass(frozen=True)
-class DemoSection:
-    """Sizes of the generated customer-support task (used when ``data.source`` is 'demo')."""
-
-    n_pairs: int = 4000
-    """Preference pairs generated (before validation and dedupe)."""
-    n_sft: int = 4000
-    """SFT demonstrations generated (before dedupe)."""
-    sft_eval_fraction: float = 0.1
-    """Share of demonstration prompts held out for the SFT evaluation loss."""
-    n_eval_prompts: int = 256
-    """Evaluation prompts with hidden metadata, disjoint from every training prompt."""
-    annotator_temperature: float = DEFAULT_TEMPERATURE
-    """Noise of the simulated annotator that labels the pairs (smaller = closer to gold)."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_pairs", "n_sft", "n_eval_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.demo.{name} must be >= 1, got {getattr(self, name)}")
-        if self.annotator_temperature <= 0:
-            raise ValueError(f"data.demo.annotator_temperature must be > 0, got {self.annotator_temperature}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +41,7 @@ class DataSection:
     """Preference files (local paths or URIs); only with source 'files'."""
     prompts_file: str | None = None
     """Optional separate PPO prompts file (column 'prompt'); None = PPO prompts are split off the pairs."""
-    demo: DemoSection = field(default_factory=DemoSection)
+    demo: DemoDataConfig = field(default_factory=DemoDataConfig)
     """Sizes of the generated task."""
     prep: DataPrepConfig = field(default_factory=DataPrepConfig)
     """Validation, dedupe and split settings of the data-prep stage."""
@@ -75,21 +55,24 @@ class DataSection:
 
 
 @dataclass(frozen=True)
-class SFTSection:
-    """The policy PPO starts from: a given model, or one fine-tuned here."""
+class SFTSection(SFTConfig):
+    """The policy PPO starts from (a given model, or one fine-tuned here) and the fine-tuning hyperparameters."""
 
     enabled: bool = True
-    """Run the sft stage; False = use ``base_model`` as the SFT policy as it is."""
+    """Run the sft stage; False = use ``base_model`` as the SFT policy as it is (with demonstrations, its
+    held-out loss and gold report are still measured)."""
     base_model: str | None = None
     """Hugging Face id or local path of the base policy; None = build a small GPT and a BPE tokenizer here."""
     vocab_size: int = 2000
     """Vocabulary of the BPE tokenizer trained on the task text (only when base_model is None)."""
-    model_size: Literal["tiny", "demo"] = "demo"
-    """Size preset of the GPT built here (``rlhf_core.models.lm.PRESETS``; only when base_model is None)."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    """Supervised fine-tuning hyperparameters."""
+    model_size: Literal["tiny", "demo"] | ModelSize = "demo"
+    """Size of the GPT built here: a preset name (``rlhf_core.models.lm.PRESETS``) or its shape
+    (n_layer, n_embd, n_head, n_positions); only when base_model is None."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.model_size, str):
+            model_size(self.model_size)  # fails with the list of presets
         if not self.enabled and self.base_model is None:
             raise ValueError("sft.enabled=false needs sft.base_model (the SFT policy to start PPO from)")
         if self.vocab_size < MIN_VOCAB_SIZE:
@@ -113,24 +96,27 @@ class RewardModelSection:
 
 
 @dataclass(frozen=True)
-class PPOSection:
-    """The outer loop: ``iterations`` x (ppo-iteration -> heldout-eval -> [rm-refresh])."""
+class PPOSection(PPOConfig):
+    """PPO hyperparameters and the outer loop: ``iterations`` x (ppo-iteration -> heldout-eval -> [rm-refresh])."""
 
+    total_updates: int = field(init=False, metadata=derived("ppo.iterations x ppo.updates_per_iteration"))
+    """Planned PPO updates of the whole run, ``iterations x updates_per_iteration`` (derived, not a setting;
+    only the linear learning-rate schedule reads it)."""
     iterations: int = 3
     """Outer pipeline iterations N."""
     updates_per_iteration: int = 20
     """PPO updates (rollout batches) inside one ppo-iteration stage."""
     checkpoint_every: int = 5
     """Save a resumable checkpoint every this many updates inside the stage (0 = none, restart on failure)."""
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    """PPO hyperparameters (``ppo.total_updates`` drives only the linear LR schedule)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("iterations", "updates_per_iteration"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
             raise ValueError(f"ppo.checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every}")
+        object.__setattr__(self, "total_updates", self.iterations * self.updates_per_iteration)
 
 
 @dataclass(frozen=True)
@@ -327,8 +313,9 @@ class PipelineConfig:
                              "simulated annotator knows only the demo task). Set refresh.annotator to 'file' or "
                              "'rm_judge', or refresh.enabled=false")
         if self.sft.base_model is None:
-            positions = MODEL_SIZES[self.sft.model_size].n_positions
-            lengths = {"sft.sft.max_length": self.sft.sft.max_length,
+            size = self.sft.model_size
+            positions = (model_size(size) if isinstance(size, str) else size).n_positions
+            lengths = {"sft.max_length": self.sft.max_length,
                        "reward_model.training.max_length": self.reward_model.training.max_length,
                        "reward_model.heldout.max_length": self.reward_model.heldout.max_length}
             too_long = {k: v for k, v in lengths.items() if v > positions}
@@ -363,3 +350,9 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
     for item in overrides:
         merge_layer(merged, parse_override(item), f"override '{item}'", origins)
     return build(PipelineConfig, merged, "", origins)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "serialised config") -> PipelineConfig:
+    """The config ``config_to_dict`` turned into ``data`` (e.g. in a job file), converted as strictly as
+    ``load_config``; a bad key is reported as coming from ``source``."""
+    return build(PipelineConfig, dict(data), "", {str(key): source for key in data})

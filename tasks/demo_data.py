@@ -23,8 +23,8 @@ from prefect import task
 from rlhf_core.data import PPO_PROMPTS, Column, DataError, DataPrepConfig, DType, TableSchema
 from rlhf_core.data.schema import CHOSEN, PROMPT, PROMPT_ID, REJECTED
 from rlhf_core.data.split import prompt_id, prompt_position
-from rlhf_core.demo import (DEFAULT_TEMPERATURE, PromptRecord, generate_preference_pairs, generate_prompts,
-                            generate_sft_demonstrations)
+from rlhf_core.demo import PromptRecord, generate_preference_pairs, generate_prompts, generate_sft_demonstrations
+from rlhf_core.demo.config import DemoDataConfig
 from tasks.data_prep import DataPrepResult, run_data_prep
 from tasks.retries import retry_on_transient_io
 from tasks.io import read_parquet, write_json, write_parquet
@@ -68,35 +68,6 @@ EVAL_PROMPTS = TableSchema(
 
 
 @dataclass(frozen=True)
-class DemoDataConfig:
-    """Sizes and seed of the generated demo data (the split settings are the data-prep ones)."""
-
-    seed: int = 0
-    """Seeds every generator and the simulated annotator: the same seed gives the same tables."""
-    pairs: int = 4000
-    """Preference pairs generated (before validation and dedupe)."""
-    sft_demos: int = 4000
-    """SFT demonstrations generated (before dedupe)."""
-    sft_eval_fraction: float = 0.1
-    """Share of demonstration prompts held out for the SFT evaluation loss."""
-    eval_prompts: int = 256
-    """Evaluation prompts with hidden metadata, none of them a PPO prompt."""
-    annotator_temperature: float = DEFAULT_TEMPERATURE
-    """Noise of the simulated annotator labelling the pairs (smaller = closer to gold)."""
-
-    def __post_init__(self) -> None:
-        for name in ("pairs", "sft_demos", "eval_prompts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"demo.{name} must be >= 0, got {getattr(self, name)}")
-        if self.pairs == 0:
-            raise ValueError("demo.pairs must be >= 1: the reward model needs preference pairs")
-        if not 0.0 < self.sft_eval_fraction < 1.0:
-            raise ValueError(f"demo.sft_eval_fraction must be in (0, 1), got {self.sft_eval_fraction}")
-        if self.annotator_temperature <= 0:
-            raise ValueError(f"demo.annotator_temperature must be > 0, got {self.annotator_temperature}")
-
-
-@dataclass(frozen=True)
 class DemoDataCounts:
     """Rows of the demo-only tables (the pair counts are in ``DataPrepResult.counts``)."""
 
@@ -137,7 +108,7 @@ class DemoDataResult:
     eval_prompts: str
     """Evaluation prompts with hidden metadata (EVAL_PROMPTS), none a PPO prompt; evaluation stages only."""
     counts_json: str
-    """The demo counts and config as JSON."""
+    """The demo counts, config and seed as JSON."""
     counts: DemoDataCounts = field(repr=False)
     """Rows of the demo-only tables."""
 
@@ -156,23 +127,25 @@ class DemoDataResult:
 
 
 def run_demo_data_prep(
-    out_dir: str | Path, config: DemoDataConfig = DemoDataConfig(), prep_config: DataPrepConfig | None = None
+    out_dir: str | Path, config: DemoDataConfig = DemoDataConfig(), prep_config: DataPrepConfig | None = None,
+    seed: int = 0,
 ) -> DemoDataResult:
     """Generate the demo task's pairs, demonstrations and evaluation prompts; prepare and write them.
 
-    Raises DataError when the data-prep checks fail or the sizes leave a table empty.
+    ``seed`` (the pipeline's ``seed``) seeds every generator and the simulated annotator: the same seed gives
+    the same tables. Raises DataError when the data-prep checks fail or the sizes leave a table empty.
     """
     prep_config = prep_config or DataPrepConfig()
     out = Path(out_dir)
     for name in (SFT_TRAIN_FILE, SFT_EVAL_FILE, EVAL_PROMPTS_FILE, DEMO_COUNTS_FILE):  # no stale mix after a failure
         (out / name).unlink(missing_ok=True)
-    pairs = generate_preference_pairs(config.pairs, config.seed, config.annotator_temperature)
+    pairs = generate_preference_pairs(config.n_pairs, seed, config.annotator_temperature)
     raw = write_parquet(pairs, RAW_PAIRS, out / RAW_DIR / RAW_PAIRS_FILE)
     prep = run_data_prep([raw], out, prep_config)
-    demos = generate_sft_demonstrations(config.sft_demos, config.seed)
+    demos = generate_sft_demonstrations(config.n_sft, seed)
     train, held_out, duplicates = split_demonstrations(demos, config.sft_eval_fraction, prep_config.split_salt)
     ppo_prompts = {str(row[PROMPT]) for row in read_parquet(prep.ppo_prompts, PPO_PROMPTS)}
-    records, skipped = draw_eval_prompts(config.eval_prompts, config.seed, ppo_prompts)
+    records, skipped = draw_eval_prompts(config.n_eval_prompts, seed, ppo_prompts)
     counts = DemoDataCounts(len(demos), duplicates, len(train), len(held_out), len(records), skipped)
     return DemoDataResult(
         prep=prep,
@@ -180,7 +153,8 @@ def run_demo_data_prep(
         sft_train=write_parquet(train, SFT_DEMONSTRATIONS, out / SFT_TRAIN_FILE),
         sft_eval=write_parquet(held_out, SFT_DEMONSTRATIONS, out / SFT_EVAL_FILE),
         eval_prompts=write_parquet([eval_row(r) for r in records], EVAL_PROMPTS, out / EVAL_PROMPTS_FILE),
-        counts_json=write_json({"config": asdict(config), "counts": asdict(counts)}, out / DEMO_COUNTS_FILE),
+        counts_json=write_json({"config": asdict(config), "seed": seed, "counts": asdict(counts)},
+                               out / DEMO_COUNTS_FILE),
         counts=counts,
     )
 
@@ -205,8 +179,8 @@ def split_demonstrations(
         (held_out if is_eval else train).append(row)
     if not train or not held_out:
         raise DataError(
-            f"SFT split is empty ({len(train)} train, {len(held_out)} eval demonstrations); raise demo.sft_demos "
-            f"or move demo.sft_eval_fraction ({eval_fraction}) away from 0 and 1"
+            f"SFT split is empty ({len(train)} train, {len(held_out)} eval demonstrations); raise data.demo.n_sft "
+            f"or move data.demo.sft_eval_fraction ({eval_fraction}) away from 0 and 1"
         )
     return train, held_out, len(demos) - len(seen)
 
@@ -227,7 +201,7 @@ def draw_eval_prompts(n: int, seed: int, taken: set[str]) -> tuple[list[PromptRe
         if drawn >= MAX_EVAL_DRAW_FACTOR * n:
             raise DataError(
                 f"only {len(kept)} of {drawn} drawn evaluation prompts are distinct and not PPO prompts; "
-                f"lower demo.eval_prompts ({n}) or generate fewer pairs"
+                f"lower data.demo.n_eval_prompts ({n}) or generate fewer pairs"
             )
         drawn *= 2
     return [], 0
@@ -241,9 +215,10 @@ def eval_row(record: PromptRecord) -> dict[str, object]:
 @task(name="demo-data", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_on_transient_io,
       log_prints=True)
 def demo_data_task(
-    out_dir: str, config: DemoDataConfig = DemoDataConfig(), prep_config: DataPrepConfig | None = None
+    out_dir: str, config: DemoDataConfig = DemoDataConfig(), prep_config: DataPrepConfig | None = None,
+    seed: int = 0,
 ) -> DemoDataResult:
     """Prefect task around run_demo_data_prep; prints the counts table into the run log."""
-    result = run_demo_data_prep(out_dir, config, prep_config)
+    result = run_demo_data_prep(out_dir, config, prep_config, seed)
     print(result.summary())
     return result

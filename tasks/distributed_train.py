@@ -26,7 +26,7 @@ from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.ppo_loop import train_ppo
 from rlhf_core.training.reward_training import PreferencePair, train_reward_model
-from tasks.config import PipelineConfig, load_config
+from tasks.config import PipelineConfig, config_from_dict
 from tasks.launch import DistributedJob, reward_history_to_json
 from tasks.ppo import build_models, load_prompts
 from tasks.runtime import device_of, dtype_of
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}/{world_size}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     job = DistributedJob.read(args.job)
-    config = load_config(job.config_file)
+    config = config_from_dict(job.config, f"{args.job} (config)")
     deepspeed_config = load_deepspeed_config(job.deepspeed_config)
     if job.stage == "reward-model":
         train_reward(job, config, deepspeed_config, rank, world_size)
@@ -88,7 +88,7 @@ def train_reward(job: DistributedJob, config: PipelineConfig, deepspeed_config: 
 
 def train_policy(job: DistributedJob, config: PipelineConfig, deepspeed_config: dict[str, Any], rank: int) -> None:
     """train_ppo with each rank generating its share of every rollout batch; checkpoints go where the stage reads."""
-    spec, section = job.ppo, config.ppo.ppo
+    spec, section = job.ppo, config.ppo
     tokenizer = AutoTokenizer.from_pretrained(spec["reference_dir"])
     models = build_models(config, spec["reference_dir"], spec["reward_dir"], tokenizer)
     positions = getattr(models.policy.config, "n_positions", None) or models.policy.config.max_position_embeddings

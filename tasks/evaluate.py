@@ -203,8 +203,8 @@ def judge_replies(config: PipelineConfig, prompts: Sequence[str], policy_uri: st
     scorers = {"proxy": reward_scorer(config, proxy_rm_uri, tokenizer, config.reward_model.training.max_length),
                "heldout": reward_scorer(config, heldout_rm_uri, tokenizer, config.reward_model.heldout.max_length)}
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-    budget = fit_max_new_tokens(policy, prompt_ids, config.ppo.ppo.generation.max_new_tokens)
-    generation = evaluation_generation(config.ppo.ppo.generation, config.eval.temperature, config.eval.batch_size,
+    budget = fit_max_new_tokens(policy, prompt_ids, config.ppo.generation.max_new_tokens)
+    generation = evaluation_generation(config.ppo.generation, config.eval.temperature, config.eval.batch_size,
                                        budget)
     replies = sample_and_judge(policy, reference, tokenizer, prompt_ids, generation, scorers, config.seed)
     if config.data.source == "demo":

@@ -2,7 +2,7 @@
 
 The reward-model and ppo-iteration stages call :func:`fit_reward_model` / :func:`run_ppo_training` where they
 used to call ``train_reward_model`` / ``train_ppo``. Without ``distributed.deepspeed_config`` these are those
-calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the resolved config), starts
+calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the resolved config as data), starts
 ``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun
 or the deepspeed launcher, feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow
 callback while they run, and loads the trained weights back into the stage's models: everything after the
@@ -31,7 +31,7 @@ from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
 from rlhf_core.training.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
 from tasks.config import DistributedSection, PipelineConfig
-from tasks.typed_yaml import config_to_dict, dump_config
+from tasks.typed_yaml import config_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class DistributedJob:
     stage: Literal["reward-model", "ppo"]
     workdir: str
     """Folder of the job: inputs, ``metrics.jsonl`` (rank 0, one line per step) and outputs."""
-    config_file: str
-    """The run's resolved PipelineConfig (YAML): device, dtype, seeds, PPO settings."""
+    config: dict[str, Any]
+    """The run's resolved PipelineConfig as plain data (``config_to_dict``; the workers rebuild it with
+    ``tasks.config.config_from_dict``): device, dtype, seeds, PPO settings."""
     deepspeed_config: str
     """Absolute path of the DeepSpeed JSON."""
     reward: dict[str, Any] | None = None
@@ -104,7 +105,7 @@ def run_ppo_training(config: PipelineConfig, models: PPOModels, prompts: Sequenc
     """
     section = config.ppo
     if not config.distributed.runs("ppo-iteration"):
-        return train_ppo(models, prompts, section.ppo, n_updates, checkpoint_dir=checkpoint_dir,
+        return train_ppo(models, prompts, section, n_updates, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, on_step=lambda s: on_log(s.step, s.to_metrics()),
                          init_from=init_from)
     folder = _fresh(workdir)
@@ -115,7 +116,7 @@ def run_ppo_training(config: PipelineConfig, models: PPOModels, prompts: Sequenc
     final = latest_checkpoint(checkpoint_dir)
     if final is None:
         raise RuntimeError(f"the PPO workers finished without a checkpoint in {checkpoint_dir}; see their log above")
-    state = load_checkpoint_weights(models, section.ppo, final)
+    state = load_checkpoint_weights(models, section, final)
     return PPORunResult(history=list(state["history"]))
 
 
@@ -131,8 +132,7 @@ def _job(config: PipelineConfig, folder: Path, stage: Literal["reward-model", "p
     if not ds_config.is_file():
         raise FileNotFoundError(f"distributed.deepspeed_config {config.distributed.deepspeed_config!r} does not exist "
                                 f"(looked in {ds_config}); see infra/deepspeed/")
-    config_file = dump_config(config, folder / "config.yaml")
-    return DistributedJob(stage, str(folder), str(config_file), str(ds_config), **inputs)
+    return DistributedJob(stage, str(folder), config_to_dict(config), str(ds_config), **inputs)
 
 
 # --------------------------------------------------------------------------------------------- launching

@@ -72,7 +72,7 @@ def load_prompts(path: str, tokenizer: PreTrainedTokenizerBase, max_prompt_token
     if too_long:
         raise ValueError(
             f"{len(too_long)} prompts in {path} (first: row {too_long[0]}) are longer than {max_prompt_tokens} "
-            "tokens, which leaves no room for ppo.ppo.generation.max_new_tokens within the model's positions; "
+            "tokens, which leaves no room for ppo.generation.max_new_tokens within the model's positions; "
             "raise data.prep.max_length filtering or lower max_new_tokens"
         )
     return prompts
@@ -81,20 +81,20 @@ def load_prompts(path: str, tokenizer: PreTrainedTokenizerBase, max_prompt_token
 def build_models(config: PipelineConfig, reference_dir: str, reward_dir: str, tokenizer: PreTrainedTokenizerBase) -> PPOModels:
     """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model.
 
-    With ``ppo.ppo.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
+    With ``ppo.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
     model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
     of base weights instead of four.
     """
-    device, dtype, lora = device_of(config), dtype_of(config), config.ppo.ppo.lora
+    device, dtype, lora = device_of(config), dtype_of(config), config.ppo.lora
     policy = load_policy(reference_dir, dtype).to(device)
     hidden_size = policy.config.hidden_size
     reward_model = load_reward_model(reward_dir, dtype).to(device)
     rm_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.ppo.ppo.micro_batch_size)
+    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.ppo.micro_batch_size)
     policy, reference = lora_policy(policy, lora, config.seed) if lora.enabled else (policy, make_reference(policy))
     common = dict(policy=policy, reference=reference, scorer=scorer,
                   stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
-    if config.ppo.ppo.value_model == "critic":
+    if config.ppo.value_model == "critic":
         critic = LoRACritic(reward_model, lora, config.seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))
     return PPOModels(**common, value_head=ValueHead(hidden_size, seed=config.seed).to(device))
@@ -123,7 +123,7 @@ def run_ppo_iteration(
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     models = build_models(config, reference_dir, reward_dir, tokenizer)
     positions = getattr(models.policy.config, "n_positions", None) or models.policy.config.max_position_embeddings
-    prompts = load_prompts(ppo_prompts, tokenizer, positions - section.ppo.generation.max_new_tokens)
+    prompts = load_prompts(ppo_prompts, tokenizer, positions - section.generation.max_new_tokens)
     with stage_run(f"ppo-iteration-{iteration}", parent_run_id, tags={"iteration": str(iteration)}) as run:
         run_id = run.info.run_id
         log_params_flat({k: v for k, v in flatten_for_params(config).items() if k.startswith("ppo.")} |
@@ -164,7 +164,7 @@ def _write_samples(models: PPOModels, tokenizer: PreTrainedTokenizerBase, prompt
     """A small generation table (prompt, response, score, stopped) for browsing in the MLflow UI."""
     device = next(models.policy.parameters()).device
     ids, mask = left_pad(prompts[:n], models.pad_token_id)
-    rollout = generate(models.policy, ids.to(device), mask.to(device), config.ppo.ppo.generation,
+    rollout = generate(models.policy, ids.to(device), mask.to(device), config.ppo.generation,
                        models.stop_token_ids, models.pad_token_id, torch.Generator().manual_seed(config.seed))
     texts, replies = decode_rollout(rollout, tokenizer)
     frame = pd.DataFrame({"prompt": texts, "response": replies, "score": models.scorer(rollout).cpu().tolist(),

@@ -136,7 +136,7 @@ def sample_candidates(config: PipelineConfig, iteration: int, policy_uri: str, p
     policy_dir = local_model(policy_uri)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     policy = freeze(load_policy(policy_dir, dtype_of(config)).to(device_of(config)))
-    sampled = sample_reply_pairs(policy, tokenizer, drawn, config.ppo.ppo.generation, seed)
+    sampled = sample_reply_pairs(policy, tokenizer, drawn, config.ppo.generation, seed)
     source = f"{STAGE}-{iteration}:sampled"
     rows = [SourceRow(source, i, {PROMPT: p.prompt, CHOSEN: p.reply_a, REJECTED: p.reply_b})
             for i, p in enumerate(sampled)]
@@ -145,7 +145,7 @@ def sample_candidates(config: PipelineConfig, iteration: int, policy_uri: str, p
     if not records:
         raise ValueError(f"none of the {len(sampled)} on-policy reply pairs is usable (reasons in "
                          f"{here / SKIPPED_FILE}); a collapsed policy repeats itself: raise "
-                         "ppo.ppo.generation.temperature or refresh.n_pairs")
+                         "ppo.generation.temperature or refresh.n_pairs")
     return [ReplyPair(str(r[PROMPT]), str(r[CHOSEN]), str(r[REJECTED])) for r in records], skipped
 
 

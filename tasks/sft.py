@@ -1,8 +1,8 @@
 """The sft stage: build (or load) a policy, fine-tune it on demonstrations, save it as a Hugging Face directory.
 
 Without a base model the stage trains a byte-level BPE tokenizer on the task's own text and a small GPT
-(``rlhf_core.models.lm.PRESETS``) from scratch. With one it loads it and fine-tunes only when asked
-(``SFTStageConfig.train_base_model``). Outputs under ``out_dir``: ``model/`` (model + tokenizer,
+(``sft.model_size``) from scratch. With one (``sft.base_model``) it loads it and fine-tunes only when
+``sft.enabled``; otherwise it only measures it. Outputs under ``out_dir``: ``model/`` (model + tokenizer,
 ``save_pretrained`` layout, written to a temp dir and renamed into place), the loss curve as JSON and PNG,
 and the metrics as JSON. On the demo task (an ``eval_prompts`` table given) the policy's greedy and sampled
 replies are judged by the gold scorer next to the demonstrations: evaluation only, after training.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from prefect import task
@@ -24,7 +24,8 @@ from rlhf_core.evaluation.demo_eval import PolicyGoldReport, gold_report, record
 from rlhf_core.models.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
 from rlhf_core.models.roles import fuse_activations
 from rlhf_core.models.tokenizer import train_bpe_tokenizer
-from rlhf_core.training.sft import SFTConfig, SFTResult, eval_loss, train_sft
+from rlhf_core.training.sft import SFTResult, eval_loss, train_sft
+from tasks.config import SFTSection
 from tasks.retries import retry_on_transient_io
 from tasks.demo_data import EVAL_PROMPTS, REPLY, SFT_DEMONSTRATIONS
 from tasks.io import atomic_write, atomic_write_dir, read_parquet, write_json
@@ -43,34 +44,6 @@ Demonstrations = list[tuple[str, str]]
 def _shape(size: str | ModelSize) -> ModelSize:
     """The ``ModelSize`` of a preset name (or the size itself)."""
     return model_size(size) if isinstance(size, str) else size
-
-
-@dataclass(frozen=True)
-class SFTStageConfig:
-    """What the sft stage builds, how it trains and how it evaluates."""
-
-    model_size: str | ModelSize = "demo"
-    """Shape of the GPT built from scratch: a preset name (``rlhf_core.models.lm.PRESETS``: 'tiny' for tests,
-    'demo') or a ``ModelSize``."""
-    vocab_size: int = 1000
-    """BPE vocabulary of the tokenizer built from scratch (the demo task's text saturates near 1000)."""
-    sft: SFTConfig = SFTConfig(epochs=3, batch_size=32, micro_batch_size=32, lr=2e-3, warmup_steps=20,
-                               eval_every=50, log_every=25)
-    """Fine-tuning hyperparameters; ``max_length`` is cut to the model's positions. The default trains the
-    'demo' preset on ~3,600 demonstrations in 345 steps (about 2-3 minutes on one CPU thread)."""
-    train_base_model: bool = False
-    """With a base model: fine-tune it on the demonstrations (True) or only load and evaluate it (False)."""
-    eval_prompts: int = 64
-    """Evaluation prompts the policy answers for the gold report (demo task only)."""
-    generation: GenerationConfig = GenerationConfig(max_new_tokens=96, temperature=1.0)
-    """Sampling for the gold report (the greedy pass uses the same budget); the budget is cut to fit."""
-    seed: int = 0
-    """Seeds the model's initial weights and the evaluation samples."""
-
-    def __post_init__(self) -> None:
-        _shape(self.model_size)  # fails early with the list of presets
-        if self.eval_prompts < 0:
-            raise ValueError(f"sft_stage.eval_prompts must be >= 0, got {self.eval_prompts}")
 
 
 @dataclass(frozen=True)
@@ -104,24 +77,33 @@ def run_sft(
     out_dir: str | Path,
     sft_train_path: str,
     sft_eval_path: str,
-    config: SFTStageConfig = SFTStageConfig(),
-    base_model: str | None = None,
+    config: SFTSection,
+    *,
+    seed: int,
+    generation: GenerationConfig,
+    n_eval_prompts: int,
     pairs_path: str | None = None,
     eval_prompts_path: str | None = None,
 ) -> SFTStageResult:
     """Build or load the policy, fine-tune it, save it under ``out_dir/model``, evaluate, write the metrics.
 
-    ``pairs_path`` (preference pairs) adds tokenizer text for a model built from scratch; ``eval_prompts_path``
-    (the demo's evaluation prompts) turns on the gold report.
+    ``config`` is the pipeline's ``sft`` section (``max_length`` is cut to the model's positions). ``seed`` (the
+    pipeline's) seeds the initial weights of a model built here and the evaluation samples. ``pairs_path``
+    (preference pairs) adds tokenizer text for a model built from scratch; ``eval_prompts_path`` (the demo's
+    evaluation prompts) turns on the gold report on its first ``n_eval_prompts`` prompts, sampled with
+    ``generation`` (the greedy pass uses the same budget; the budget is cut to fit).
     """
+    if n_eval_prompts < 0:
+        raise ValueError(f"n_eval_prompts must be >= 0, got {n_eval_prompts}")
     out = Path(out_dir)
     for name in (LOSS_JSON, LOSS_PNG, METRICS_JSON, SAMPLES_JSON):  # a rerun must not leave a stale mix behind
         (out / name).unlink(missing_ok=True)
     train, held_out = read_demonstrations(sft_train_path), read_demonstrations(sft_eval_path)
-    model, tokenizer = load_policy(base_model) if base_model else build_policy(train, pairs_path, config)
-    sft_config = _fit_sft_config(config.sft, model)
+    base_model = config.base_model
+    model, tokenizer = load_policy(base_model) if base_model else build_policy(train, pairs_path, config, seed)
+    sft_config = _fit_sft_config(config, model)
     paths: dict[str, str | None] = {"model_dir": base_model}
-    trained = base_model is None or config.train_base_model
+    trained = base_model is None or config.enabled
     if trained:
         history = train_sft(model, tokenizer, train, held_out, sft_config)
         metrics = loss_metrics(history)
@@ -131,12 +113,13 @@ def run_sft(
     else:
         metrics = {"sft/final_eval_loss": eval_loss(model, tokenizer, held_out, sft_config.max_length,
                                                     sft_config.eval_batch_size)}
-    if eval_prompts_path and config.eval_prompts:
-        report = _gold_report(model, tokenizer, eval_prompts_path, held_out, config)
+    if eval_prompts_path and n_eval_prompts:
+        report = _gold_report(model, tokenizer, eval_prompts_path, held_out, n_eval_prompts, generation, seed)
         metrics.update(report.as_metrics("sft_eval"))
         paths["samples_json"] = write_samples(report, out / SAMPLES_JSON)
     logger.info("sft stage metrics: %s", {k: round(v, 4) for k, v in metrics.items()})
-    record = {"metrics": metrics, "config": asdict(config), "base_model": base_model, "trained": trained, **paths}
+    record = {"metrics": metrics, "config": asdict(config), "seed": seed, "n_eval_prompts": n_eval_prompts,
+              "generation": asdict(generation), "base_model": base_model, "trained": trained, **paths}
     return SFTStageResult(metrics_json=write_json(record, out / METRICS_JSON), trained=trained, metrics=metrics,
                           **paths)  # type: ignore[arg-type]
 
@@ -147,7 +130,7 @@ def read_demonstrations(path: str) -> Demonstrations:
 
 
 def build_policy(
-    train: Demonstrations, pairs_path: str | None, config: SFTStageConfig
+    train: Demonstrations, pairs_path: str | None, config: SFTSection, seed: int
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A BPE tokenizer trained on the demonstrations (and pairs) and a fresh GPT of ``config.model_size``."""
     texts = [prompt + reply for prompt, reply in train]
@@ -156,7 +139,7 @@ def build_policy(
             texts += [str(row["prompt"]) + str(row["chosen"]), str(row["prompt"]) + str(row["rejected"])]
     shape = _shape(config.model_size)
     tokenizer = train_bpe_tokenizer(texts, config.vocab_size, model_max_length=shape.n_positions)
-    model = build_causal_lm(config_for_tokenizer(tokenizer, shape), seed=config.seed)
+    model = build_causal_lm(config_for_tokenizer(tokenizer, shape), seed=seed)
     logger.info("sft: built a GPT %s (%d parameters) and a %d-token BPE tokenizer from %d texts",
                 shape, count_parameters(model), len(tokenizer), len(texts))
     return model, tokenizer
@@ -174,12 +157,12 @@ def load_policy(base_model: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         ) from err
 
 
-def _fit_sft_config(config: SFTConfig, model: PreTrainedModel) -> SFTConfig:
+def _fit_sft_config(config: SFTSection, model: PreTrainedModel) -> SFTSection:
     """``config`` with ``max_length`` cut to the model's position embeddings."""
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is None or config.max_length <= positions:
         return config
-    return SFTConfig(**{**asdict(config), "max_length": positions})
+    return replace(config, max_length=positions)
 
 
 def loss_metrics(history: SFTResult) -> dict[str, float]:
@@ -228,12 +211,12 @@ def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenize
 
 def _gold_report(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eval_prompts_path: str,
-    held_out: Demonstrations, config: SFTStageConfig,
+    held_out: Demonstrations, n_prompts: int, generation: GenerationConfig, seed: int,
 ) -> PolicyGoldReport:
-    """The gold report on the first ``config.eval_prompts`` evaluation prompts (evaluation only)."""
-    records = [record_from_row(row) for row in read_parquet(eval_prompts_path, EVAL_PROMPTS)[: config.eval_prompts]]
+    """The gold report on the first ``n_prompts`` evaluation prompts (evaluation only)."""
+    records = [record_from_row(row) for row in read_parquet(eval_prompts_path, EVAL_PROMPTS)[:n_prompts]]
     started = time.perf_counter()
-    report = gold_report(model, tokenizer, records, held_out, config.generation, config.seed)
+    report = gold_report(model, tokenizer, records, held_out, generation, seed)
     logger.info("sft: gold report on %d prompts in %.1fs", len(records), time.perf_counter() - started)
     return report
 
@@ -249,12 +232,16 @@ def sft_task(
     out_dir: str,
     sft_train_path: str,
     sft_eval_path: str,
-    config: SFTStageConfig = SFTStageConfig(),
-    base_model: str | None = None,
+    config: SFTSection,
+    *,
+    seed: int,
+    generation: GenerationConfig,
+    n_eval_prompts: int,
     pairs_path: str | None = None,
     eval_prompts_path: str | None = None,
 ) -> SFTStageResult:
     """Prefect task around run_sft. Retries only transient I/O errors (OSError); a training error fails at once."""
-    result = run_sft(out_dir, sft_train_path, sft_eval_path, config, base_model, pairs_path, eval_prompts_path)
+    result = run_sft(out_dir, sft_train_path, sft_eval_path, config, seed=seed, generation=generation,
+                     n_eval_prompts=n_eval_prompts, pairs_path=pairs_path, eval_prompts_path=eval_prompts_path)
     print(result.summary())
     return result

@@ -12,9 +12,9 @@ from prefect import task
 from tasks.config import PipelineConfig
 from tasks.data_prep import run_data_prep
 from tasks.retries import retry_on_transient_io
-from tasks.demo_data import DemoDataConfig, run_demo_data_prep
+from tasks.demo_data import run_demo_data_prep
 from tasks.io import read_frame, write_frame
-from tasks.sft import SFTStageConfig, run_sft
+from tasks.sft import run_sft
 from tasks.tracking import log_file, log_metrics, log_params_flat, register_model_dir, stage_run
 from tasks.typed_yaml import flatten_for_params
 
@@ -44,10 +44,7 @@ def run_data_stage(config: PipelineConfig, out_dir: str, parent_run_id: str) -> 
     with stage_run("data-prep", parent_run_id) as run:
         log_params_flat(_params(config, "data."))
         if data.source == "demo":
-            demo = run_demo_data_prep(out_dir, DemoDataConfig(
-                seed=config.seed, pairs=data.demo.n_pairs, sft_demos=data.demo.n_sft,
-                sft_eval_fraction=data.demo.sft_eval_fraction, eval_prompts=data.demo.n_eval_prompts,
-                annotator_temperature=data.demo.annotator_temperature), data.prep)
+            demo = run_demo_data_prep(out_dir, data.demo, data.prep, config.seed)
             prep, sft_train, sft_eval, eval_prompts = demo.prep, demo.sft_train, demo.sft_eval, demo.eval_prompts
             metrics = prep.counts.as_metrics() | demo.counts.as_metrics()
         else:
@@ -87,17 +84,16 @@ def run_sft_stage(config: PipelineConfig, data: DataStageResult, out_dir: str, p
     if data.sft_train is None and section.base_model is None:
         raise ValueError("user data has no SFT demonstrations: set sft.base_model to the policy to start from "
                          "(a Hugging Face id or a local folder)")
-    stage_config = SFTStageConfig(model_size=section.model_size, vocab_size=section.vocab_size, sft=section.sft,
-                                  train_base_model=section.enabled, eval_prompts=min(64, config.eval.n_prompts),
-                                  generation=config.ppo.ppo.generation, seed=config.seed)
     with stage_run("sft", parent_run_id) as run:
         log_params_flat(_params(config, "sft."))
         if data.sft_train is None:  # user data: load the base model only
             ref = register_model_dir(section.base_model, config.tracking.policy_model, run.info.run_id) \
                 if Path(section.base_model).is_dir() else None
             return SFTOutput(ref.uri if ref else section.base_model, section.base_model, False)
-        result = run_sft(out_dir, data.sft_train, data.sft_eval, stage_config, section.base_model,
-                         data.train_pairs, data.eval_prompts if config.data.source == "demo" else None)
+        result = run_sft(out_dir, data.sft_train, data.sft_eval, section, seed=config.seed,
+                         generation=config.ppo.generation, n_eval_prompts=min(64, config.eval.n_prompts),
+                         pairs_path=data.train_pairs,
+                         eval_prompts_path=data.eval_prompts if config.data.source == "demo" else None)
         _log_sft(result, run.info.run_id)
         ref = register_model_dir(result.model_dir, config.tracking.policy_model, run.info.run_id)
     return SFTOutput(ref.uri, result.model_dir, result.trained, dict(result.metrics))

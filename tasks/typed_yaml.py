@@ -21,6 +21,8 @@ from typing import Any, Literal, Union
 import yaml
 
 DEFAULT_SOURCE = "defaults"
+#: ``dataclasses.field`` metadata key of a derived field (``init=False``): how it is computed, for error messages.
+DERIVED = "derived_from"
 
 
 class ConfigError(ValueError):
@@ -30,6 +32,19 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.reason = reason or message
         """The bare cause, without key and source (used to combine the failures of Union arms)."""
+
+
+def derived(formula: str) -> dict[str, str]:
+    """Metadata of an ``init=False`` field computed in ``__post_init__``: setting it names ``formula`` instead.
+
+    ``total_updates: int = field(init=False, metadata=derived("ppo.iterations x ppo.updates_per_iteration"))``
+    """
+    return {DERIVED: formula}
+
+
+def settable_fields(cls_or_instance: Any) -> list[dataclasses.Field]:
+    """The fields a config file may set (``init=True``); derived ones are neither read nor written."""
+    return [f for f in dataclasses.fields(cls_or_instance) if f.init]
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -53,7 +68,7 @@ def parse_override(item: str) -> dict[str, Any]:
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
-        raise ConfigError(f"override {item!r} must look like 'section.key=value' (e.g. ppo.ppo.kl.coef=0.1)")
+        raise ConfigError(f"override {item!r} must look like 'section.key=value' (e.g. ppo.kl.coef=0.1)")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
@@ -169,12 +184,17 @@ def _build_dataclass(cls: type, value: Any, key: str, origins: Mapping[str, str]
     if not isinstance(value, Mapping):
         raise _bad(key, value, origins, f"expected a mapping of {cls.__name__} settings")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in settable_fields(cls)]
+    computed = {f.name: f.metadata.get(DERIVED, "computed from other settings") for f in dataclasses.fields(cls)
+                if not f.init}
     prefix = f"{key}." if key else ""
     for name in value:
+        if name in computed:
+            raise ConfigError(f"'{prefix}{name}' (from {_source(prefix + str(name), origins)}) is derived, not a "
+                              f"setting: it is {computed[name]}; set those instead and drop '{prefix}{name}'")
         if name not in names:
-            close = difflib.get_close_matches(str(name), names, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            close = _did_you_mean(str(name), value[name], names, key)
+            hint = f"did you mean '{prefix}{close}'? " if close else ""
             raise ConfigError(f"unknown setting '{prefix}{name}' (from {_source(prefix + str(name), origins)}); "
                               f"{hint}valid keys under '{where}': {', '.join(names)}")
     kwargs = {name: build(hints[name], value[name], prefix + name, origins) for name in names if name in value}
@@ -182,6 +202,29 @@ def _build_dataclass(cls: type, value: Any, key: str, origins: Mapping[str, str]
         return cls(**kwargs)
     except ValueError as err:
         raise ConfigError(f"invalid settings under '{where}': {err}{_given(kwargs, prefix, origins)}") from err
+
+
+def _closest(name: str, names: list[str]) -> str | None:
+    """The valid key ``name`` most likely means: a near spelling, or the key it abbreviates ('lr')."""
+    close = difflib.get_close_matches(name, names, n=1)
+    if close:
+        return close[0]
+    return next((n for n in names if "_" in n and name == "".join(part[:1] for part in n.split("_"))), None)
+
+
+def _did_you_mean(name: str, value: Any, names: list[str], key: str) -> str | None:
+    """Suggestion for an unknown key, relative to its section. A key that repeats its section's name (a
+    section nested in itself, ``ppo: {ppo: {kl: {coef: 0.1}}}``) points at the same setting one level up
+    (``ppo.kl.coef``)."""
+    if key and name == key.rpartition(".")[2] and isinstance(value, Mapping) and value:
+        inner, rest = next(iter(value.items()))
+        inner = str(inner) if str(inner) in names else _closest(str(inner), names)
+        if inner is not None:
+            while isinstance(rest, Mapping) and rest:
+                sub, rest = next(iter(rest.items()))
+                inner += f".{sub}"
+            return inner
+    return _closest(name, names)
 
 
 def _given(kwargs: Mapping[str, Any], prefix: str, origins: Mapping[str, str]) -> str:
@@ -199,7 +242,7 @@ def _given(kwargs: Mapping[str, Any], prefix: str, origins: Mapping[str, str]) -
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name)) for f in settable_fields(value)}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, (list, tuple)):
@@ -208,7 +251,8 @@ def _plain(value: Any) -> Any:
 
 
 def config_to_dict(cfg: Any) -> Any:
-    """Plain YAML/JSON-able data of a config (or any section): dicts, lists, enum values."""
+    """Plain YAML/JSON-able data of a config (or any section): dicts, lists, enum values. Derived fields are left
+    out, so ``build`` of the result gives back an equal config."""
     return _plain(cfg)
 
 
@@ -221,7 +265,7 @@ def dump_config(cfg: Any, path: str | Path) -> str:
 
 
 def flatten_for_params(cfg: Any) -> dict[str, str]:
-    """Dotted keys to string values (``{'ppo.ppo.kl.coef': '0.05', ...}``), for MLflow params."""
+    """Dotted keys to string values (``{'ppo.kl.coef': '0.05', ...}``), for MLflow params (no derived fields)."""
     flat: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:

@@ -40,7 +40,7 @@ class Settings:
     vf_coef: float = 0.1
     """Weight of the value loss."""
     kl_coef: float = 0.05
-    """Fixed beta of the k1 KL penalty in the reward."""
+    """Fixed KL coefficient of the k1 KL penalty in the reward."""
     gamma: float = 1.0
     """Discount."""
     lam: float = 0.95

@@ -32,11 +32,11 @@ class DataPrepConfig:
 
     def __post_init__(self) -> None:
         if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"data.max_length must be >= 1 or None, got {self.max_length}")
+            raise ValueError(f"data.prep.max_length must be >= 1 or None, got {self.max_length}")
         if not 0.0 <= self.max_quarantine_fraction <= 1.0:
-            raise ValueError(f"data.max_quarantine_fraction must be in [0, 1], got {self.max_quarantine_fraction}")
+            raise ValueError(f"data.prep.max_quarantine_fraction must be in [0, 1], got {self.max_quarantine_fraction}")
         fractions = (self.train_fraction, self.heldout_fraction, self.ppo_fraction)
         if any(f < 0 for f in fractions) or not math.isclose(sum(fractions), 1.0, abs_tol=1e-9):
-            raise ValueError(f"data train/heldout/ppo fractions must be >= 0 and sum to 1, got {fractions}")
+            raise ValueError(f"data.prep train/heldout/ppo fractions must be >= 0 and sum to 1, got {fractions}")
         if self.train_fraction <= 0:
-            raise ValueError("data.train_fraction must be > 0: the reward model needs training pairs")
+            raise ValueError("data.prep.train_fraction must be > 0: the reward model needs training pairs")

@@ -5,9 +5,11 @@
 - ``gold``: the hidden gold scorer (evaluation only; the rules table is ``gold.RULES``).
 - ``annotator``: the simulated annotator, Bradley-Terry samples of gold with a noise temperature.
 - ``generator``: preference pairs, SFT demonstrations and tokenizer text, deterministic for a seed.
+- ``config``: ``DemoDataConfig``, the sizes of the generated data (``data.demo`` in the pipeline config).
 """
 
 from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE, SimulatedAnnotator, preference_probability
+from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.demo.generator import (
     Demonstration,
     PreferencePair,
@@ -24,6 +26,7 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "INTENTS",
     "RULES",
+    "DemoDataConfig",
     "Demonstration",
     "PreferencePair",
     "PromptRecord",

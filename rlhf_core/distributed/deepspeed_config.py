@@ -46,7 +46,7 @@ def check_config(config: dict[str, Any], source: str = "the DeepSpeed config") -
                          "accumulate micro-batches themselves and call step() once per mini-batch")
     if config.get("gradient_accumulation_steps", "auto") not in ("auto", 1):
         raise ValueError(f"{source}: gradient_accumulation_steps must be 'auto' or 1; set accumulation with "
-                         "ppo.ppo.mini_batch_size / micro_batch_size instead")
+                         "ppo.mini_batch_size / micro_batch_size instead")
     if config.get("fp16", {}).get("enabled", False) not in (False, "auto"):
         raise ValueError(f"{source}: fp16 needs loss scaling, which these loops do not do; use bf16 (dtype: bfloat16)")
 

@@ -126,8 +126,8 @@ def _adam(group: TrainableGroup, weight_decay: float, config: dict[str, Any]) ->
     if offloads_optimizer(config) and config.get("zero_force_ds_cpu_optimizer", True):
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # compiles its C++ op on first use
 
-        return DeepSpeedCPUAdam(group.params, lr=group.lr, weight_decay=weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(group.params, lr=group.lr, weight_decay=weight_decay)
+        return DeepSpeedCPUAdam(group.params, lr=group.learning_rate, weight_decay=weight_decay, adamw_mode=True)
+    return torch.optim.AdamW(group.params, lr=group.learning_rate, weight_decay=weight_decay)
 
 
 class DeepSpeedStrategy:

@@ -149,6 +149,6 @@ def _check_room(policy: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], ma
     positions = getattr(policy.config, "max_position_embeddings", None)
     longest = max(len(ids) for ids in prompt_ids)
     if positions is not None and longest + max_new_tokens > positions:
-        raise ValueError(f"the longest prompt has {longest} tokens; with ppo.ppo.generation.max_new_tokens="
+        raise ValueError(f"the longest prompt has {longest} tokens; with ppo.generation.max_new_tokens="
                          f"{max_new_tokens} it exceeds the policy's {positions} positions. Lower max_new_tokens or "
                          "filter long prompts in data-prep (data.prep.max_length)")

@@ -43,46 +43,46 @@ def kl_estimate(
 
 @dataclass
 class FixedKLController:
-    """A constant KL coefficient ``beta``."""
+    """A constant KL coefficient ``coef``."""
 
-    value: float
+    coef: float
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op: a fixed controller ignores the observed KL."""
 
     def state_dict(self) -> dict[str, float]:
         """JSON-serialisable state for checkpoints."""
-        return {"value": self.value}
+        return {"coef": self.coef}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore from :meth:`state_dict`."""
-        self.value = float(state["value"])
+        self.coef = float(state["coef"])
 
 
 @dataclass
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019).
 
-    ``beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)``, where KL is the
+    ``coef <- coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)``, where KL is the
     mean over the batch of the per-sequence KL (sum over response tokens), not a per-token mean.
     """
 
-    value: float
+    coef: float
     target: float
     horizon: float
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Move ``beta`` towards keeping the per-sequence KL at ``target`` after ``n_steps`` samples."""
+        """Move ``coef`` towards keeping the per-sequence KL at ``target`` after ``n_steps`` samples."""
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        self.coef *= 1.0 + proportional_error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, float]:
         """JSON-serialisable state for checkpoints."""
-        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+        return {"coef": self.coef, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore from :meth:`state_dict`."""
-        self.value = float(state["value"])
+        self.coef = float(state["coef"])
         self.target = float(state["target"])
         self.horizon = float(state["horizon"])
 

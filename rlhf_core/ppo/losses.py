@@ -97,10 +97,10 @@ def ppo_objective(
     vf_coef: float,
     entropy_coef: float,
     kl_loss: torch.Tensor | None = None,
-    kl_loss_coef: float = 0.0,
+    kl_coef: float = 0.0,
 ) -> torch.Tensor:
-    """The combined objective ``policy + c1 * value - c2 * entropy (+ c3 * KL)`` (all scalars)."""
+    """The combined objective ``policy + c1 * value - c2 * entropy (+ kl_coef * KL)`` (all scalars)."""
     total = pg_loss + vf_coef * vf_loss - entropy_coef * entropy
     if kl_loss is not None:
-        total = total + kl_loss_coef * kl_loss
+        total = total + kl_coef * kl_loss
     return total

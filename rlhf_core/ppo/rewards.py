@@ -25,13 +25,15 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 
 
 def token_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, beta: float, response_mask: torch.Tensor
+    scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """``r_t = -beta * kl_t`` on every response token, plus the score on the last real one.
+    """``r_t = -kl_coef * kl_t`` on every response token, plus the score on the last real one.
+
+    ``kl_coef`` is the KL coefficient (beta in Ziegler et al.).
 
     scores: (B,), kl: (B, T) per-token estimate, response_mask: (B, T) -> rewards (B, T), 0 where masked.
     """
-    penalty = torch.where(response_mask, -beta * kl.float(), torch.zeros_like(kl, dtype=torch.float32))
+    penalty = torch.where(response_mask, -kl_coef * kl.float(), torch.zeros_like(kl, dtype=torch.float32))
     return penalty + place_scores(scores, response_mask)
 
 

@@ -15,13 +15,13 @@ class RolloutStats:
     raw_score_mean: float
     """Mean sequence score before shaping / normalisation."""
     reward_mean: float
-    """Mean per-sequence total reward (score - beta * KL)."""
+    """Mean per-sequence total reward (score - kl_coef * KL)."""
     kl_mean: float
     """Mean per-sequence KL(policy || reference), summed over tokens, with the configured estimator."""
     kl_k3_mean: float
     """Same, with the non-negative k3 estimator (shown next to k1, which can be negative)."""
     kl_coef: float
-    """beta used for this batch."""
+    """The KL coefficient used for this batch."""
     response_length_mean: float
     stop_rate: float
     """Fraction of responses that ended with a stop token."""

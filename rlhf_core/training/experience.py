@@ -99,7 +99,7 @@ def collect_experience(
     models: PPOModels,
     prompts: Sequence[Sequence[int]],
     config: PPOConfig,
-    beta: float,
+    kl_coef: float,
     generator: torch.Generator,
     moments: RunningMoments,
     gather: GatherScored | None = None,
@@ -125,7 +125,8 @@ def collect_experience(
         rollout, (old_logprobs, ref_logprobs, old_values), raw_scores = gather(
             rollout, (old_logprobs, ref_logprobs, old_values), raw_scores)
     scored = time.monotonic()
-    experience, stats = build_experience(rollout, old_logprobs, ref_logprobs, old_values, raw_scores, config, beta, moments)
+    experience, stats = build_experience(rollout, old_logprobs, ref_logprobs, old_values, raw_scores, config, kl_coef,
+                                         moments)
     return experience, stats, generated - started, scored - generated
 
 
@@ -136,7 +137,7 @@ def build_experience(
     old_values: torch.Tensor,
     raw_scores: torch.Tensor,
     config: PPOConfig,
-    beta: float,
+    kl_coef: float,
     moments: RunningMoments,
 ) -> tuple[Experience, RolloutStats]:
     """Scores -> per-token rewards -> advantages and returns (before whitening) -> whitened advantages."""
@@ -146,8 +147,7 @@ def build_experience(
         moments.update(scores)
         scores = moments.normalise(scores)
     kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator)
-    penalty_beta = beta if config.kl.placement == "reward" else 0.0
-    rewards = token_rewards(scores, kl, penalty_beta, mask)
+    rewards = token_rewards(scores, kl, kl_coef if config.kl.placement == "reward" else 0.0, mask)
     if config.advantage == "gae":
         advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
     else:
@@ -164,7 +164,7 @@ def build_experience(
         reward_mean=float(masked_sum(rewards, mask, dim=1).mean()),
         kl_mean=float(masked_sum(kl, mask, dim=1).mean()),
         kl_k3_mean=float(masked_sum(k3, mask, dim=1).mean()),
-        kl_coef=beta,
+        kl_coef=kl_coef,
         response_length_mean=float(mask.sum(dim=1).float().mean()),
         stop_rate=float(rollout.stopped.float().mean()),
         value_mean=float(masked_mean(old_values, mask)),

@@ -136,6 +136,6 @@ def _log_progress(step: int, total: int, first_step: int, started: float, stats:
     eta = (total - step) / rate if rate > 0 else float("nan")
     metrics = stats.to_metrics()
     log.info(
-        "ppo step %d/%d  score %.3f  kl %.3f  beta %.4f  %.2f steps/s  eta %.0fs",
+        "ppo step %d/%d  score %.3f  kl %.3f  kl_coef %.4f  %.2f steps/s  eta %.0fs",
         step, total, metrics["ppo/scores/mean"], metrics["ppo/kl/mean"], metrics["ppo/kl/coef"], rate, eta,
     )

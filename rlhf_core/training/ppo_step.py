@@ -123,7 +123,7 @@ def ppo_step(
     if len(prompts) != config.rollout_batch_size:
         raise ValueError(f"ppo_step got {len(prompts)} prompts; ppo.rollout_batch_size is {config.rollout_batch_size}")
     strategy = _local_if_none(strategy, optimizer, scheduler, config)
-    beta = state.kl_controller.value
+    kl_coef = state.kl_controller.coef
     gather = None
     if strategy.world_size > 1:
         gather = functools.partial(gather_scored_rollouts, strategy.all_gather, models.pad_token_id)
@@ -132,10 +132,11 @@ def ppo_step(
     with strategy.inference(models.policy) as policy, strategy.inference(trained_value) as value:
         experience, rollout_stats, t_gen, t_score = collect_experience(
             _with_trained(models, policy, value), shard(prompts, strategy.rank, strategy.world_size, "rollout batch"),
-            config, beta, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
+            config, kl_coef, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
         )
     started = time.monotonic()
-    update_stats = ppo_update(models, optimizer, scheduler, experience, config, beta, state.generator, strategy)
+    update_stats = ppo_update(models, optimizer, scheduler, experience, config, kl_coef, state.generator,
+                              strategy)
     t_train = time.monotonic() - started
     state.kl_controller.update(rollout_stats.kl_mean, config.rollout_batch_size)
     state.step += 1
@@ -178,7 +179,7 @@ def ppo_update(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     experience: Experience,
     config: PPOConfig,
-    beta: float,
+    kl_coef: float,
     generator: torch.Generator,
     strategy: Strategy | None = None,
 ) -> UpdateStats:
@@ -209,7 +210,7 @@ def ppo_update(
             for micro_start in range(0, per_rank, config.micro_batch_size):
                 micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(device))
                 with autocast(config.autocast, device):
-                    loss, parts = micro_batch_loss(models, micro, config, beta)
+                    loss, parts = micro_batch_loss(models, micro, config, kl_coef)
                 strategy.backward(loss / accumulation)
                 _accumulate(totals, parts, 1.0 / accumulation)
             policy_norm, value_norm = strategy.step()
@@ -225,9 +226,9 @@ def ppo_update(
 
 
 def micro_batch_loss(
-    models: PPOModels, micro: Experience, config: PPOConfig, beta: float
+    models: PPOModels, micro: Experience, config: PPOConfig, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Combined objective ``policy + c1 * value - c2 * entropy (+ beta * KL when the KL is in the loss)``."""
+    """Combined objective ``policy + c1 * value - c2 * entropy (+ kl_coef * KL when the KL is in the loss)``."""
     rollout = micro.rollout
     ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     query_len = rollout.query_ids.shape[1]
@@ -241,7 +242,7 @@ def micro_batch_loss(
     kl_loss = None
     if config.kl.placement == "loss":
         kl_loss = masked_mean(kl_estimate(out.logprobs, micro.ref_logprobs, config.kl.estimator), mask)
-    loss = ppo_objective(pg.loss, vf.loss, entropy, config.vf_coef, config.entropy_coef, kl_loss, beta)
+    loss = ppo_objective(pg.loss, vf.loss, entropy, config.vf_coef, config.entropy_coef, kl_loss, kl_coef)
     parts = {
         "policy_loss": float(pg.loss.detach()),
         "value_loss": float(vf.loss.detach()),

@@ -45,14 +45,14 @@ class SFTConfig:
     """Demonstrations per optimizer step."""
     micro_batch_size: int = 16
     """Demonstrations per forward/backward; gradients add up to ``batch_size`` (same step, less memory)."""
-    lr: float = 5e-4
+    learning_rate: float = 5e-4
     """Peak AdamW learning rate (small models from scratch like 1e-3; pretrained ones 1e-5..5e-5)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to every parameter."""
     warmup_steps: int = 0
-    """Steps of linear warmup from ~0 to ``lr``."""
+    """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
-    """After warmup: keep ``lr`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
+    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
     max_length: int = 128
@@ -74,8 +74,8 @@ class SFTConfig:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batch_size > self.batch_size:
             raise ValueError(f"sft.micro_batch_size={self.micro_batch_size} must be <= sft.batch_size")
-        if self.lr <= 0:
-            raise ValueError(f"sft.lr must be > 0, got {self.lr}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
         if self.max_length < 2:
             raise ValueError(f"sft.max_length must be >= 2 (a prompt token and eos), got {self.max_length}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -300,8 +300,8 @@ def _train_step(
 def _make_optimizer(
     model: PreTrainedModel, config: SFTConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup, then constant or linear decay (the multiplier of ``lr`` per step)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    """AdamW with linear warmup, then constant or linear decay (the multiplier of ``learning_rate`` per step)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
 
     def multiplier(step: int) -> float:
         if step < config.warmup_steps:

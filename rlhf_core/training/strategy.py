@@ -41,7 +41,7 @@ class TrainableGroup:
     """The module the training forward goes through (DeepSpeed wraps exactly this one in an engine)."""
     params: list[nn.Parameter]
     """Its trained parameters (all of them, or a LoRA adapter and heads)."""
-    lr: float
+    learning_rate: float
     """Peak learning rate (before the schedule)."""
 
 
@@ -104,7 +104,8 @@ class StrategyFactory(Protocol):
 
     def __call__(self, groups: Sequence[TrainableGroup], weight_decay: float, max_grad_norm: float,
                  lr_lambda: LRLambda | None = None) -> Strategy:
-        """AdamW per group (``lr`` x ``lr_lambda(step)``), gradients clipped per group to ``max_grad_norm``."""
+        """AdamW per group (``learning_rate`` x ``lr_lambda(step)``), gradients clipped per group to
+        ``max_grad_norm``."""
 
 
 def local_optimizer(
@@ -117,8 +118,8 @@ def local_optimizer(
     """
     params = [p for g in groups for p in g.params]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    optimizer = torch.optim.AdamW([{"params": g.params, "lr": g.lr} for g in groups], weight_decay=weight_decay,
-                                  fused=fused or None)
+    param_groups = [{"params": g.params, "lr": g.learning_rate} for g in groups]
+    optimizer = torch.optim.AdamW(param_groups, weight_decay=weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda is not None else None
     return optimizer, scheduler
 

@@ -54,7 +54,7 @@ def test_ppo_raises_reward_and_larger_kl_coef_drifts_less():
     start = loose[0]["ppo/scores/mean"]
     loose_score, loose_kl = mean_last(loose, "ppo/scores/mean"), mean_last(loose, "ppo/kl/mean")
     tight_kl = mean_last(tight, "ppo/kl/mean")
-    print(f"score {start:.2f} -> {loose_score:.2f}; KL beta=0.2: {loose_kl:.2f}, beta=2.0: {tight_kl:.2f}")
+    print(f"score {start:.2f} -> {loose_score:.2f}; KL kl_coef=0.2: {loose_kl:.2f}, kl_coef=2.0: {tight_kl:.2f}")
     # 8 new tokens, uniform-ish start: ~0.4 target tokens; the best possible response has 8.
     assert loose_score > start + 2.5
     # Bounded: far below the ~8 * log(21) = 24 nats of a policy collapsed onto one token.

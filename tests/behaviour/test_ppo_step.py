@@ -97,13 +97,13 @@ def test_dropout_is_off_in_a_loaded_policy(tmp_path):
     assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
 
 
-def test_adaptive_controller_moves_beta_and_reference_refresh_resets_kl():
+def test_adaptive_controller_moves_kl_coef_and_reference_refresh_resets_kl():
     config = base(ppo_epochs=4, learning_rate=5e-3, kl=KLConfig(coef=0.1, adaptive=True, target=0.01, horizon=50),
                   ref_refresh_every=1)
     m = models()
     stats, state = step(config, m)
-    # KL at step 0 is 0 < target: beta shrinks by the full 20% * 16 / 50.
-    assert state.kl_controller.value == pytest.approx(0.1 * (1 - 0.2 * 16 / 50))
+    # KL at step 0 is 0 < target: the coefficient shrinks by the full 20% * 16 / 50.
+    assert state.kl_controller.coef == pytest.approx(0.1 * (1 - 0.2 * 16 / 50))
     for a, b in zip(m.policy.parameters(), m.reference.parameters(), strict=True):
         assert torch.equal(a, b)
 

@@ -30,7 +30,7 @@ from rlhf_core.training.strategy import StrategyFactory
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24
-BETA = 0.05
+KL_COEF = 0.05
 
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "deepspeed"
 ZERO2: dict[str, Any] = json.loads((INFRA / "zero2.json").read_text())
@@ -117,7 +117,7 @@ def ppo_models(value_model: str) -> PPOModels:
 def build_experience(path: Path) -> None:
     """The rollout batch every run updates on, generated once in one process."""
     for value_model in ("head", "critic", "lora"):
-        experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, BETA,
+        experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, KL_COEF,
                                                  torch.Generator().manual_seed(0), RunningMoments())
         torch.save(experience, path / f"experience_{value_model}.pt")
 
@@ -126,7 +126,7 @@ def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: 
     """One ppo_update (2 epochs x 2 mini-batches x 4 micro-batches of 2) on the saved batch."""
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
     models, strategy = prepare_training(ppo_models(value_model), PPO_CONFIG, make_strategy)
-    stats = ppo_update(models, None, None, experience, PPO_CONFIG, BETA, torch.Generator().manual_seed(5), strategy)
+    stats = ppo_update(models, None, None, experience, PPO_CONFIG, KL_COEF, torch.Generator().manual_seed(5), strategy)
     value = models.value_head if models.value_head is not None else models.critic
     return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, value)}
 

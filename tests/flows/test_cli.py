@@ -29,6 +29,6 @@ def test_run_then_list_then_rerun_one_stage(tmp_path, monkeypatch, capsys):
 
 
 def test_bad_override_is_one_clear_line(tmp_path, capsys):
-    assert main(["run", "--preset", "tiny", "--state-dir", str(tmp_path), "ppo.ppo.clip_rang=0.3"]) == 2
+    assert main(["run", "--preset", "tiny", "--state-dir", str(tmp_path), "ppo.clip_rang=0.3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "did you mean 'ppo.ppo.clip_range'" in err[0]
+    assert len(err) == 1 and "did you mean 'ppo.clip_range'" in err[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-OVERRIDES = ["ppo.iterations=2", "ppo.updates_per_iteration=4", "ppo.checkpoint_every=1", "ppo.ppo.total_updates=8"]
+OVERRIDES = ["ppo.iterations=2", "ppo.updates_per_iteration=4", "ppo.checkpoint_every=1"]
 
 
 def rlhf_env() -> dict[str, str]:

@@ -88,7 +88,7 @@ def test_a_changed_ppo_setting_reruns_only_ppo_and_eval(tmp_path, mlflow_store):
     state, first = new_tiny_run(tmp_path / "state", "ppo.iterations=1")
     configure_tracking(state)
     run_pipeline(first.config_path, first.run_id)
-    _, second = new_tiny_run(tmp_path / "state", "ppo.iterations=1", "ppo.ppo.kl.coef=0.2")
+    _, second = new_tiny_run(tmp_path / "state", "ppo.iterations=1", "ppo.kl.coef=0.2")
     run_pipeline(second.config_path, second.run_id)
     stages = state.load_run(second.run_id).stages
     assert {name: stage.result["cached"] for name, stage in stages.items()} == {

@@ -82,7 +82,7 @@ def _config(*overrides: str, demo: bool = False) -> PipelineConfig:
                                                       "refresh.enabled=false"]
     return load_config(preset="tiny", overrides=[
         *source, "device=cpu", "eval.n_prompts=64", "eval.batch_size=8", "eval.temperature=1.0",
-        "eval.kl_budget=100", "ppo.ppo.generation.max_new_tokens=3",
+        "eval.kl_budget=100", "ppo.generation.max_new_tokens=3",
         f"tracking.policy_model=policy-{uuid.uuid4().hex[:8]}", *overrides])
 
 
@@ -200,7 +200,7 @@ def test_figure_has_one_line_per_judge() -> None:
 
 
 def test_greedy_evaluation_samples_best_of_n_at_the_rollout_temperature() -> None:
-    assert sampling_temperature(_config("eval.temperature=0", "ppo.ppo.generation.temperature=0.7")) == 0.7
+    assert sampling_temperature(_config("eval.temperature=0", "ppo.generation.temperature=0.7")) == 0.7
     assert sampling_temperature(_config("eval.temperature=0.5")) == 0.5
 
 

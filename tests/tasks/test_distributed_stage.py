@@ -17,8 +17,9 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, latest_checkpoint
 from rlhf_core.training.ppo_loop import train_ppo
-from tasks.config import ConfigError, DistributedSection, load_config
-from tasks.launch import _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
+from tasks.config import ConfigError, DistributedSection, config_from_dict, load_config
+from tasks.launch import (DistributedJob, _job, _MetricsFollower, fit_reward_model, launch_command,
+                          run_ppo_training)
 from tasks.ppo import build_models, load_prompts
 from tests.distributed.zero_cases import preference_pairs
 from tests.tiny_models import gpt2_config, save_ppo_inputs, word_tokenizer
@@ -35,7 +36,7 @@ def _free_port() -> int:
 
 def pipeline_config(*overrides: str):
     return load_config(preset="tiny", overrides=[
-        "device=cpu", "ppo.ppo.micro_batch_size=2", "distributed.deepspeed_config=infra/deepspeed/zero2.json",
+        "device=cpu", "ppo.micro_batch_size=2", "distributed.deepspeed_config=infra/deepspeed/zero2.json",
         "distributed.num_processes=2", f"distributed.master_port={_free_port()}", *overrides])
 
 
@@ -76,6 +77,17 @@ def test_in_process_by_default():
     assert not config.distributed.runs("reward-model") and not config.distributed.runs("ppo-iteration")
     assert pipeline_config().distributed.runs("ppo-iteration")
     assert not pipeline_config("distributed.stages=[reward-model]").distributed.runs("ppo-iteration")
+
+
+def test_job_file_carries_the_config_as_json_and_the_worker_rebuilds_it(tmp_path):
+    config = pipeline_config("ppo.kl.coef=0.125", "sft.model_size={n_layer: 1, n_embd: 8, n_head: 2, n_positions: 128}")
+    job = DistributedJob.read(_job(config, tmp_path, "ppo", ppo={"n_updates": 2}).write())
+    assert json.loads((tmp_path / "job.json").read_text())["config"]["ppo"]["kl"]["coef"] == 0.125
+    assert "total_updates" not in job.config["ppo"]  # derived: the worker computes it again
+    assert config_from_dict(job.config) == config and not list(tmp_path.glob("*.yaml"))
+    job.config["ppo"]["kl"]["coeff"] = 0.1
+    with pytest.raises(ConfigError, match="'ppo.kl.coeff' \\(from job.json\\)"):
+        config_from_dict(job.config, "job.json")
 
 
 def test_metrics_follower_passes_only_complete_lines(tmp_path):
@@ -151,4 +163,4 @@ def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path)
     # Its optimizer state is DeepSpeed's shards: resuming it in one process fails with what to do.
     with pytest.raises(FileNotFoundError, match="same distributed settings"):
         train_ppo(build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer), prompts,
-                  config.ppo.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")
+                  config.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")

@@ -116,7 +116,7 @@ def _config(*overrides: str, demo: bool = False) -> PipelineConfig:
                                                       "refresh.enabled=false"]
     return load_config(preset="tiny", overrides=[
         *source, "device=cpu", f"eval.n_prompts={N_PROMPTS}", "eval.batch_size=4", "eval.temperature=1.0",
-        "eval.kl_budget=100", "ppo.ppo.generation.max_new_tokens=8",
+        "eval.kl_budget=100", "ppo.generation.max_new_tokens=8",
         f"tracking.policy_model=policy-{uuid.uuid4().hex[:8]}", *overrides])
 
 
@@ -257,7 +257,7 @@ def test_history_scored_by_an_earlier_proxy_rm_is_not_compared(state: StateDir, 
 def test_winning_policy_with_an_improving_history_becomes_champion(state: StateDir, models: dict[str, str],
                                                                     tmp_path: Path) -> None:
     # Two-token replies: 'good good' has no repeated trigram, and both RMs score the last token 'good' highest.
-    setup = _setup(state, tmp_path, models["good"], "ppo.ppo.generation.max_new_tokens=2", "eval.min_win_rate=0.8")
+    setup = _setup(state, tmp_path, models["good"], "ppo.generation.max_new_tokens=2", "eval.min_win_rate=0.8")
     history = [_entry(proxy=-10.0, heldout=-10.0, iteration=1), _entry(proxy=-5.0, heldout=-5.0, iteration=2)]
     result = _evaluate(setup, models, tmp_path / "out", iteration=3, history=history)
     m = result.metrics

@@ -1,4 +1,4 @@
-"""The ppo-iteration stage with ``ppo.ppo.lora.enabled``: adapter-only checkpoints, a second iteration that
+"""The ppo-iteration stage with ``ppo.lora.enabled``: adapter-only checkpoints, a second iteration that
 continues from them, and a registered policy that is a plain Hugging Face model equal to base + adapter."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(state: StateDir, inputs: dict[str, str],
                                                                        tmp_path: Path) -> None:
     config = load_config(preset="tiny", overrides=[
-        "device=cpu", "ppo.ppo.lora.enabled=true", "ppo.ppo.lora.rank=4", "ppo.ppo.value_model=critic",
-        "ppo.ppo.learning_rate=1e-2", "ppo.ppo.generation.max_new_tokens=6",
+        "device=cpu", "ppo.lora.enabled=true", "ppo.lora.rank=4", "ppo.value_model=critic",
+        "ppo.learning_rate=1e-2", "ppo.generation.max_new_tokens=6",
         "tracking.policy_model=rlhf-policy-lora-test"])
     with tracking.pipeline_run(config.tracking.experiment, "ppo-lora-test") as parent:
         pass
@@ -57,7 +57,7 @@ def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(state: Stat
 
     saved = GPT2LMHeadModel.from_pretrained(second.policy_dir)  # plain: from_pretrained loads it unchanged
     assert not any("lora" in key for key in load_file(str(Path(second.policy_dir) / "model.safetensors")))
-    expected, _ = lora_policy(GPT2LMHeadModel.from_pretrained(inputs["sft"]), config.ppo.ppo.lora)
+    expected, _ = lora_policy(GPT2LMHeadModel.from_pretrained(inputs["sft"]), config.ppo.lora)
     load_model(trainable_view(expected), str(Path(second.checkpoint) / "policy.safetensors"))
     sft = GPT2LMHeadModel.from_pretrained(inputs["sft"])
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])

@@ -188,7 +188,7 @@ def refresh_config(name: str, *extra: str) -> PipelineConfig:
         "device=cpu", "refresh.annotator=rm_judge", "refresh.n_pairs=144", "refresh.on_policy_eval_fraction=0.35",
         "refresh.epochs=6", "refresh.learning_rate=0.003", "refresh.keep_old_pairs=false",
         "reward_model.training.max_length=64", "reward_model.heldout.max_length=64",
-        "ppo.ppo.generation.max_new_tokens=12", "ppo.ppo.generation.batch_size=48", f"tracking.reward_model={name}",
+        "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=48", f"tracking.reward_model={name}",
         *extra])
 
 

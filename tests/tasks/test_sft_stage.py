@@ -13,32 +13,29 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import GenerationConfig
+from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize
-from rlhf_core.training.sft import SFTConfig, eval_loss
-from tasks.demo_data import EVAL_PROMPTS, DemoDataConfig, DemoDataResult, run_demo_data_prep
+from rlhf_core.training.sft import eval_loss
+from tasks.config import SFTSection
+from tasks.demo_data import EVAL_PROMPTS, DemoDataResult, run_demo_data_prep
 from tasks.io import read_parquet
-from tasks.sft import (SFTStageConfig, SFTStageResult, read_demonstrations, run_sft, save_pretrained_atomic,
-                       sft_task)
+from tasks.sft import SFTStageResult, read_demonstrations, run_sft, save_pretrained_atomic, sft_task
 
-TINY = SFTStageConfig(
-    model_size="tiny",
-    vocab_size=1000,
-    sft=SFTConfig(epochs=3, batch_size=16, micro_batch_size=16, lr=3e-3, warmup_steps=10, eval_every=30,
-                  log_every=0),
-    eval_prompts=16,
-    generation=GenerationConfig(max_new_tokens=40, batch_size=16),
-)
+TINY = SFTSection(model_size="tiny", vocab_size=1000, epochs=3, batch_size=16, micro_batch_size=16,
+                  learning_rate=3e-3, warmup_steps=10, eval_every=30, log_every=0)
+#: What the stage needs besides its section (the pipeline passes its seed, PPO's sampling and a prompt count).
+EVAL = dict(seed=0, generation=GenerationConfig(max_new_tokens=40, batch_size=16), n_eval_prompts=16)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> DemoDataResult:
-    return run_demo_data_prep(tmp_path_factory.mktemp("data"), DemoDataConfig(pairs=100, sft_demos=500,
-                                                                               eval_prompts=16))
+    return run_demo_data_prep(tmp_path_factory.mktemp("data"), DemoDataConfig(n_pairs=100, n_sft=500,
+                                                                               n_eval_prompts=16))
 
 
 @pytest.fixture(scope="module")
 def tiny_run(data: DemoDataResult, tmp_path_factory: pytest.TempPathFactory) -> SFTStageResult:
-    return run_sft(tmp_path_factory.mktemp("sft"), data.sft_train, data.sft_eval, TINY,
+    return run_sft(tmp_path_factory.mktemp("sft"), data.sft_train, data.sft_eval, TINY, **EVAL,
                    pairs_path=data.prep.train_pairs, eval_prompts_path=data.eval_prompts)
 
 
@@ -63,7 +60,7 @@ def test_saved_directory_reloads_with_from_pretrained_and_generates(tiny_run: SF
     assert model.config.eos_token_id == tokenizer.eos_token_id
     # the saved weights are the trained ones: same held-out loss as the stage measured
     held_out = read_demonstrations(data.sft_eval)
-    max_length = min(TINY.sft.max_length, model.config.max_position_embeddings)  # as the stage cut it
+    max_length = min(TINY.max_length, model.config.max_position_embeddings)  # as the stage cut it
     assert eval_loss(model, tokenizer, held_out, max_length) == pytest.approx(
         tiny_run.metrics["sft/final_eval_loss"], abs=1e-4)
     prompt = read_parquet(data.eval_prompts, EVAL_PROMPTS)[0]["prompt"]
@@ -82,19 +79,19 @@ def test_gold_report_is_written_after_training(tiny_run: SFTStageResult, data: D
         assert 0.0 <= m[f"sft_eval/{name}"] <= 1.0, name
     samples = json.loads(Path(tiny_run.samples_json).read_text())
     eval_prompts = [r["prompt"] for r in read_parquet(data.eval_prompts, EVAL_PROMPTS)]
-    assert [s["prompt"] for s in samples] == eval_prompts[: TINY.eval_prompts]
+    assert [s["prompt"] for s in samples] == eval_prompts[: EVAL["n_eval_prompts"]]
 
 
 def test_base_model_is_only_evaluated_unless_fine_tuning_is_asked(
     tiny_run: SFTStageResult, data: DemoDataResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    loaded = sft_task.fn(str(tmp_path / "eval_only"), data.sft_train, data.sft_eval, replace(TINY, eval_prompts=0),
-                         base_model=tiny_run.model_dir)
+    loaded = sft_task.fn(str(tmp_path / "eval_only"), data.sft_train, data.sft_eval,
+                         replace(TINY, enabled=False, base_model=tiny_run.model_dir), **{**EVAL, "n_eval_prompts": 0})
     assert not loaded.trained and loaded.model_dir == tiny_run.model_dir and loaded.loss_curve_json is None
     assert loaded.metrics["sft/final_eval_loss"] == pytest.approx(tiny_run.metrics["sft/final_eval_loss"], abs=1e-4)
     assert "sft/final_eval_loss" in capsys.readouterr().out
-    again = replace(TINY, eval_prompts=0, train_base_model=True, sft=replace(TINY.sft, epochs=1, lr=3e-4))
-    tuned = run_sft(tmp_path / "tuned", data.sft_train, data.sft_eval, again, base_model=tiny_run.model_dir)
+    again = replace(TINY, base_model=tiny_run.model_dir, epochs=1, learning_rate=3e-4)
+    tuned = run_sft(tmp_path / "tuned", data.sft_train, data.sft_eval, again, **{**EVAL, "n_eval_prompts": 0})
     assert tuned.trained and tuned.model_dir == str(tmp_path / "tuned" / "model")
     assert tuned.metrics["sft/initial_eval_loss"] == pytest.approx(tiny_run.metrics["sft/final_eval_loss"], abs=1e-4)
 
@@ -112,9 +109,9 @@ def test_saving_again_replaces_the_directory_whole(tiny_run: SFTStageResult, tmp
 
 def test_bad_settings_name_the_fix(data: DemoDataResult, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown model size 'huge'"):
-        SFTStageConfig(model_size="huge")
+        SFTSection(model_size="huge")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot be loaded .* local Hugging Face directory"):
-        run_sft(tmp_path, data.sft_train, data.sft_eval, TINY, base_model=str(tmp_path / "missing"))
+        run_sft(tmp_path, data.sft_train, data.sft_eval, replace(TINY, base_model=str(tmp_path / "missing")), **EVAL)
 
 
 #: A 2-block GPT of width 96 with room for long replies: learns the intent -> action mapping in about 30 s.
@@ -123,13 +120,13 @@ SMALL_GPT = ModelSize(n_layer=2, n_embd=96, n_head=4, n_positions=128)
 
 @pytest.mark.slow
 def test_sft_policy_learns_to_act_on_the_intent(tmp_path: Path) -> None:
-    data = run_demo_data_prep(tmp_path / "data", DemoDataConfig(pairs=100, sft_demos=1500, eval_prompts=64))
-    config = SFTStageConfig(
-        model_size=SMALL_GPT, vocab_size=1000, eval_prompts=64,
-        sft=SFTConfig(epochs=4, batch_size=16, micro_batch_size=16, lr=3e-3, warmup_steps=20, eval_every=0,
-                      log_every=0),
-    )
-    result = run_sft(tmp_path / "sft", data.sft_train, data.sft_eval, config, eval_prompts_path=data.eval_prompts)
+    data = run_demo_data_prep(tmp_path / "data", DemoDataConfig(n_pairs=100, n_sft=1500, n_eval_prompts=64))
+    config = SFTSection(model_size=SMALL_GPT, vocab_size=1000, epochs=4, batch_size=16, micro_batch_size=16,
+                        learning_rate=3e-3, warmup_steps=20, eval_every=0, log_every=0)
+    # the gold report samples up to 96 new tokens: room for the full replies this test judges
+    result = run_sft(tmp_path / "sft", data.sft_train, data.sft_eval, config, seed=0,
+                     generation=GenerationConfig(max_new_tokens=96, temperature=1.0), n_eval_prompts=64,
+                     eval_prompts_path=data.eval_prompts)
     m = result.metrics
     assert m["sft/final_eval_loss"] < 0.15 * m["sft/initial_eval_loss"]
     assert m["sft_eval/correct_action_greedy"] >= 0.5  # the demonstrations themselves have about 0.5

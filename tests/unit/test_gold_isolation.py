@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS
-from tasks.demo_data import EVAL_PROMPTS, SFT_DEMONSTRATIONS, DemoDataConfig, run_demo_data_prep
+from rlhf_core.demo.config import DemoDataConfig
+from tasks.demo_data import EVAL_PROMPTS, SFT_DEMONSTRATIONS, run_demo_data_prep
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = ("rlhf_core", "tasks", "flows")
@@ -119,7 +120,7 @@ def test_checker_allows_evaluation_code_and_the_annotator(rel_path: str, source:
 
 
 def test_training_tables_hold_no_gold_or_hidden_metadata(tmp_path: Path) -> None:
-    result = run_demo_data_prep(tmp_path, DemoDataConfig(pairs=120, sft_demos=80, eval_prompts=12, seed=5))
+    result = run_demo_data_prep(tmp_path, DemoDataConfig(n_pairs=120, n_sft=80, n_eval_prompts=12), seed=5)
     training = {result.prep.train_pairs: PREFERENCE_PAIRS, result.prep.heldout_pairs: PREFERENCE_PAIRS,
                 result.prep.ppo_prompts: PPO_PROMPTS, result.sft_train: SFT_DEMONSTRATIONS,
                 result.sft_eval: SFT_DEMONSTRATIONS}

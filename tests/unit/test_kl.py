@@ -77,13 +77,13 @@ def test_unknown_estimator_raises():
 
 
 def test_fixed_controller_ignores_kl_and_round_trips():
-    ctl = FixedKLController(value=0.1)
+    ctl = FixedKLController(coef=0.1)
     ctl.update(current_kl=100.0, n_steps=64)
-    assert ctl.value == 0.1
+    assert ctl.coef == 0.1
     state = json.loads(json.dumps(ctl.state_dict()))
-    other = FixedKLController(value=0.5)
+    other = FixedKLController(coef=0.5)
     other.load_state_dict(state)
-    assert other.value == 0.1
+    assert other.coef == 0.1
 
 
 @pytest.mark.parametrize(
@@ -102,21 +102,21 @@ def test_fixed_controller_ignores_kl_and_round_trips():
     ],
 )
 def test_adaptive_controller_update(current_kl, expected):
-    ctl = AdaptiveKLController(value=0.1, target=6.0, horizon=10000.0)
+    ctl = AdaptiveKLController(coef=0.1, target=6.0, horizon=10000.0)
     ctl.update(current_kl=current_kl, n_steps=256)
-    assert ctl.value == pytest.approx(expected, rel=1e-12)
+    assert ctl.coef == pytest.approx(expected, rel=1e-12)
 
 
 def test_adaptive_controller_compounds_and_round_trips():
-    ctl = AdaptiveKLController(value=0.1, target=6.0, horizon=10000.0)
+    ctl = AdaptiveKLController(coef=0.1, target=6.0, horizon=10000.0)
     ctl.update(12.0, 256)  # 0.1 * 1.00512 = 0.100512
     ctl.update(12.0, 256)  # 0.100512 * 1.00512 = 0.101026621...
-    assert ctl.value == pytest.approx(0.1 * 1.00512**2, rel=1e-12)
+    assert ctl.coef == pytest.approx(0.1 * 1.00512**2, rel=1e-12)
 
     state = json.loads(json.dumps(ctl.state_dict()))
-    restored = AdaptiveKLController(value=1.0, target=1.0, horizon=1.0)
+    restored = AdaptiveKLController(coef=1.0, target=1.0, horizon=1.0)
     restored.load_state_dict(state)
-    assert (restored.value, restored.target, restored.horizon) == (ctl.value, 6.0, 10000.0)
+    assert (restored.coef, restored.target, restored.horizon) == (ctl.coef, 6.0, 10000.0)
     ctl.update(0.0, 100)
     restored.update(0.0, 100)
-    assert restored.value == ctl.value
+    assert restored.coef == ctl.coef

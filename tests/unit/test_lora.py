@@ -167,18 +167,18 @@ def test_checkpoint_view_holds_only_the_trainable_tensors():
 
 
 def test_lora_settings_load_from_dotted_overrides():
-    config = load_config(preset="tiny", overrides=["ppo.ppo.lora.enabled=true", "ppo.ppo.lora.rank=4",
-                                                   "ppo.ppo.lora.target_modules=[c_attn, c_fc]",
+    config = load_config(preset="tiny", overrides=["ppo.lora.enabled=true", "ppo.lora.rank=4",
+                                                   "ppo.lora.target_modules=[c_attn, c_fc]",
                                                    "reward_model.training.lora.enabled=true"])
-    assert config.ppo.ppo.lora == LoRAConfig(enabled=True, rank=4, target_modules=("c_attn", "c_fc"))
+    assert config.ppo.lora == LoRAConfig(enabled=True, rank=4, target_modules=("c_attn", "c_fc"))
     assert config.reward_model.training.lora.enabled and not config.reward_model.heldout.lora.enabled
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("ppo.ppo.lora.rank=0", "lora.rank must be >= 1"),
-    ("ppo.ppo.lora.alpha=-1", "lora.alpha must be > 0"),
-    ("ppo.ppo.lora.enabled=yes please", "expected true or false"),
-    ("ppo.ppo.lora.ranks=4", "did you mean 'ppo.ppo.lora.rank'"),
+    ("ppo.lora.rank=0", "lora.rank must be >= 1"),
+    ("ppo.lora.alpha=-1", "lora.alpha must be > 0"),
+    ("ppo.lora.enabled=yes please", "expected true or false"),
+    ("ppo.lora.ranks=4", "did you mean 'ppo.lora.rank'"),
     ("reward_model.training.lora.dropout=1.5", "lora.dropout must be in [0, 1)"),
 ])
 def test_bad_lora_settings_fail_in_one_line(override, expected):

@@ -161,7 +161,7 @@ def test_ppo_objective_without_kl_term():
 def test_ppo_objective_with_kl_term():
     args = (torch.tensor(1.0), torch.tensor(2.0), torch.tensor(0.5))
     # 1.195 + 0.05 * 3.0 = 1.345
-    total = ppo_objective(*args, vf_coef=0.1, entropy_coef=0.01, kl_loss=torch.tensor(3.0), kl_loss_coef=0.05)
+    total = ppo_objective(*args, vf_coef=0.1, entropy_coef=0.01, kl_loss=torch.tensor(3.0), kl_coef=0.05)
     assert total.item() == pytest.approx(1.345, abs=1e-6)
     # a KL loss with the default coefficient 0 changes nothing
     unweighted = ppo_objective(*args, vf_coef=0.1, entropy_coef=0.01, kl_loss=torch.tensor(3.0))

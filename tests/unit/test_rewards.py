@@ -46,7 +46,7 @@ def test_place_scores_on_last_real_token_not_first_pad():
 
 
 def test_token_rewards_kl_penalty_plus_score():
-    beta = 0.1
+    kl_coef = 0.1
     kl = torch.tensor(
         [
             [0.5, -1.0, 2.0, NAN, INF],  # garbage after the stop
@@ -63,12 +63,12 @@ def test_token_rewards_kl_penalty_plus_score():
             [0.0, 0.0, 0.0, 0.0, 0.0],
         ]
     )
-    rewards = token_rewards(SCORES, kl, beta, MASK)
+    rewards = token_rewards(SCORES, kl, kl_coef, MASK)
     assert torch.isfinite(rewards).all()
     assert_close(rewards, expected)
 
 
-def test_token_rewards_zero_beta_is_just_the_scores():
+def test_token_rewards_zero_kl_coef_is_just_the_scores():
     kl = torch.ones(3, 5)
     assert_close(token_rewards(SCORES, kl, 0.0, MASK), place_scores(SCORES, MASK))
 

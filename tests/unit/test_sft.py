@@ -61,7 +61,7 @@ def trained(tokenizer: PreTrainedTokenizerFast) -> tuple[torch.nn.Module, SFTRes
     train, held_out = color_task()
     model = build_causal_lm(config_for_tokenizer(tokenizer, "tiny"), seed=0)
     logs: list[tuple[int, dict]] = []
-    config = SFTConfig(epochs=50, batch_size=16, lr=3e-3, max_length=48, eval_every=50, log_every=0)
+    config = SFTConfig(epochs=50, batch_size=16, learning_rate=3e-3, max_length=48, eval_every=50, log_every=0)
     result = train_sft(model, tokenizer, train, held_out, config, on_log=lambda s, m: logs.append((s, m)))
     return model, result, logs
 
@@ -148,7 +148,8 @@ def test_warmup_then_linear_decay(tokenizer: PreTrainedTokenizerFast) -> None:
     train, held_out = color_task()
     model = build_causal_lm(config_for_tokenizer(tokenizer, "tiny"), seed=0)
     logs: list[tuple[int, dict]] = []
-    config = SFTConfig(epochs=1, batch_size=1, micro_batch_size=1, lr=0.1, warmup_steps=2, eval_every=0, log_every=0)
+    config = SFTConfig(epochs=1, batch_size=1, micro_batch_size=1, learning_rate=0.1, warmup_steps=2, eval_every=0,
+                       log_every=0)
     train_sft(model, tokenizer, train[:4], held_out[:1], config, on_log=lambda s, m: logs.append((s, m)))
     lrs = [m["sft/lr"] for _, m in logs if "sft/lr" in m]
     # warmup 1/2, 2/2; then (4 - step) / (4 - 2) for steps 2 and 3 (0-based)
