@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from flows.commands import add_pipeline_commands
 from rlhf_core.data import DataError, DataPrepConfig, InputFormat
@@ -93,19 +94,15 @@ def prep_overrides(args: argparse.Namespace) -> list[str]:
 
 def _run_prep(args: argparse.Namespace) -> int:
     # deferred: keeps `rlhf --help` free of the prefect and torch imports
+    from tasks import data_prep
     from tasks.config import load_config
-    from tasks.data_prep import run_data_prep
 
     _check_prep_sources(args)
     config = load_config(None, None, prep_overrides(args))
-    data = config.data
-    if data.source == "demo":
-        from tasks.demo_data import run_demo_data_prep
-
-        result = run_demo_data_prep(args.out, data.demo, data.prep, config.seed)
-    else:
-        result = run_data_prep(list(data.files), args.out, data.prep, data.prompts_file, args.tokenizer)
-    print(result.summary())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = data_prep.prepare(data_prep.Config.of(config), out, data_prep.load_tokenizer(args.tokenizer))
+    print(data_prep.summary(result, out))
     return 0
 
 
@@ -139,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (imported only when one is raised, to keep `--help` fast)."""
     from tasks.config import ConfigError
-    from tasks.state import StateError
+    from tasks.run_store import StateError
 
     return (DataError, ConfigError, StateError)
 

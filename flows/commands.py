@@ -1,30 +1,38 @@
 """`rlhf demo | run | resume | stage | runs`: the pipeline from the command line.
 
-Prefect and MLflow are imported only after `prepare_environment` has pointed them at the state directory,
-so nothing is written to the home directory and the temporary Prefect server keeps its SQLite there.
+Prefect and MLflow are imported only after `prepare_environment` has pointed them at the state folder, so nothing
+is written to the home directory and the temporary Prefect server keeps its SQLite there.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-import shutil
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.run_store import RunRecord, RunStore
 
 DEFAULT_STATE_DIR = ".rlhf_state"
 PROGRESS_LOGGERS = ("rlhf_core", "tasks", "flows")
+STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh")
+ITERATED = ("ppo-iteration", "heldout-eval", "rm-refresh")
 
 
 def prepare_environment(state_dir: str) -> None:
-    """Quiet Prefect, keep its home inside the state dir, and show our progress lines (rate, ETA)."""
+    """Quiet Prefect, keep its home inside the state folder, keep MLflow offline, show our progress lines."""
     root = Path(state_dir).resolve()
     os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server gets 20 s by default, which a busy 2-core machine can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Our own progress lines carry rate and ETA; library progress bars for millisecond copies are noise.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -49,24 +57,28 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--preset", default="demo", help="preset under infra/presets (default demo)")
     _common(run)
     run.set_defaults(handler=_run_config)
-    resume = subparsers.add_parser("resume", help="continue a run: finished stages are skipped, PPO restarts "
-                                   "from its last checkpoint")
+    resume = subparsers.add_parser("resume", help="continue a run: finished stages are reused, PPO continues from "
+                                   "its last checkpoint; KEY=VALUE amends the run's config first")
     resume.add_argument("run_id", metavar="RUN_ID", help="a run id from `rlhf runs`, or 'latest'")
-    resume.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state directory (default .rlhf_state)")
+    resume.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
+    resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="settings to change before continuing, right after RUN_ID (e.g. refresh.labels_file=l.csv)")
+    resume.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_overrides",
+                        help="a setting to change before continuing (repeatable; anywhere on the line)")
     resume.set_defaults(handler=_resume)
-    stage = subparsers.add_parser("stage", help="rerun one stage of a past run with its recorded inputs")
-    stage.add_argument("name", choices=["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration",
-                                        "heldout-eval", "rm-refresh"])
+    stage = subparsers.add_parser("stage", help="recompute one stage of a run (and everything that depends on it)")
+    stage.add_argument("name", metavar="STAGE", help=f"one of {', '.join(STAGES)}; or one iteration of "
+                       f"{', '.join(ITERATED)}, e.g. ppo-iteration-2")
     stage.add_argument("--run", required=True, metavar="RUN_ID", help="the run (or 'latest')")
-    stage.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state directory (default .rlhf_state)")
+    stage.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
     stage.set_defaults(handler=_rerun_stage)
-    runs = subparsers.add_parser("runs", help="list runs with their status")
-    runs.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state directory (default .rlhf_state)")
+    runs = subparsers.add_parser("runs", help="list runs with their status (a killed run shows as crashed)")
+    runs.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
     runs.set_defaults(handler=_list_runs)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", default=None, help="state directory (default: the config's, .rlhf_state)")
+    parser.add_argument("--state-dir", default=None, help="state folder (default: the config's, .rlhf_state)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. ppo.kl.coef=0.1 ppo.iterations=2")
 
@@ -81,81 +93,155 @@ def _run_config(args: argparse.Namespace) -> int:
 
 def _start(config_file: str | None, preset: str | None, overrides: list[str], state_dir: str | None) -> int:
     from tasks.config import load_config
-    from tasks.typed_yaml import dump_config
+    from tasks.typed_yaml import dump_config_text
 
     if state_dir is not None:
         overrides = [*overrides, f"state_dir={state_dir}"]
     config = load_config(config_file, preset, overrides)
     prepare_environment(config.state_dir)
-    from tasks.state import StateDir
+    from tasks.run_store import RunStore
 
-    state = StateDir(config.state_dir).ensure()
-    record = state.new_run(config.name)
-    record.config_path = dump_config(config, state.run_dir(record.run_id) / "config.yaml")
-    state.save_run(record)
-    print(f"run {record.run_id}: config {record.config_path}", flush=True)
-    return _execute(state, record.run_id, record.config_path, ())
+    store = RunStore(config.state_dir).ensure()
+    record = store.create_run(config.name, dump_config_text(config))
+    print(f"run {record.run_id}: config {store.config_file(record.run_id)}", flush=True)
+    return _execute(store, record.run_id)
 
 
-def _execute(state, run_id: str, config_path: str, refresh: tuple[str, ...]) -> int:
-    from flows.pipeline import run_pipeline
+def _execute(store: RunStore, run_id: str) -> int:
+    from flows.pipeline import rlhf_pipeline
     from flows.summary import format_summary
 
+    _refuse_if_running(store, run_id)
+    ensure_prefect_database(store)
     try:
-        summary = run_pipeline(config_path, run_id, refresh)
+        summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
     except BaseException:
-        record = state.load_run(run_id)
-        record.status = "failed"
-        state.save_run(record)
-        print(f"run {run_id} failed; fix the cause and continue with: rlhf resume {run_id} "
-              f"--state-dir {state.root}", file=sys.stderr)
+        print(f"run {run_id} did not finish; fix the cause and continue with: rlhf resume {run_id} "
+              f"--state-dir {store.root}", file=sys.stderr)
         raise
     print(format_summary(summary))
-    print(f"summary: {state.run_dir(run_id) / 'summary.json'}")
-    print(_mlflow_hint(state, summary.get("mlflow_run_id")))
+    print(f"summary: {store.summary_file(run_id)}")
+    print(_mlflow_hint(store, summary.get("mlflow_run_id")))
     return 0
 
 
-def _mlflow_hint(state, mlflow_run_id: str | None) -> str:
+def ensure_prefect_database(store: RunStore) -> None:
+    """Create (or migrate) the temporary server's database under the state folder's init lock: two runs starting
+    at once on a fresh folder would otherwise race on its migrations. A real server (PREFECT_API_URL) owns its own."""
+    from prefect.server.database import provide_database_interface
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return
+    with store.initializing():
+        asyncio.run(provide_database_interface().create_db())
+
+
+def _refuse_if_running(store: RunStore, run_id: str) -> None:
+    from tasks.run_store import RunLockedError
+
+    holder = store.holder(run_id)
+    if holder is not None:
+        raise RunLockedError(f"run {run_id} is in use by {holder.describe()}; wait for it to end, or stop that "
+                             "process first (a killed holder frees the run at once)")
+
+
+def _mlflow_hint(store: RunStore, mlflow_run_id: str | None) -> str:
     return ("look at it in the MLflow UI:\n"
-            f"  .venv/bin/mlflow ui --backend-store-uri {state.mlflow_uri} --port 5000\n"
-            f"  then open http://127.0.0.1:5000 (experiment runs; parent run {mlflow_run_id}, one nested run per stage)")
+            f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{store.layout.mlflow_db} --port 5000\n"
+            f"  then open http://127.0.0.1:5000 (parent run {mlflow_run_id}, one nested run per stage)")
 
 
-def _load(state_dir: str, run_id: str):
+def _load(state_dir: str, run_id: str) -> tuple[RunStore, RunRecord]:
     prepare_environment(state_dir)
-    from tasks.state import StateDir
+    from tasks.run_store import RunStore
 
-    state = StateDir(state_dir)
-    return state, state.load_run(run_id)
+    store = RunStore(state_dir).ensure()
+    return store, store.load_run(run_id)
 
 
 def _resume(args: argparse.Namespace) -> int:
-    state, record = _load(args.state_dir, args.run_id)
+    store, record = _load(args.state_dir, args.run_id)
+    _refuse_if_running(store, record.run_id)
+    overrides = [*args.overrides, *args.set_overrides]
+    if overrides:
+        amend_config(store, record.run_id, overrides)
     print(f"resuming run {record.run_id} (status {record.status})", flush=True)
-    return _execute(state, record.run_id, record.config_path, ())
+    return _execute(store, record.run_id)
+
+
+def amend_config(store: RunStore, run_id: str, overrides: list[str]) -> None:
+    """Apply ``overrides`` to the run's recorded config (kept as config.<n>.yaml) and note them in the record."""
+    from tasks.config import load_config
+    from tasks.run_store.locks import now_iso
+    from tasks.typed_yaml import dump_config_text
+
+    config = load_config(store.config_file(run_id), None, overrides)
+    with store.hold(run_id, "rlhf resume (amending the config)") as run:
+        store.replace_config(run_id, dump_config_text(config))
+        run.record.amendments.append({"time": now_iso(), "overrides": overrides})
+        run.save()
+    print(f"run {run_id}: config amended with {' '.join(overrides)}", flush=True)
 
 
 def _rerun_stage(args: argparse.Namespace) -> int:
-    state, record = _load(args.state_dir, args.run)
-    if args.name == "ppo-iteration":  # a fresh rerun must not resume from the old checkpoints
-        shutil.rmtree(state.run_dir(record.run_id) / "ppo", ignore_errors=True)
-    print(f"rerunning {args.name} of run {record.run_id}; later stages rerun only if their inputs change",
-          flush=True)
-    return _execute(state, record.run_id, record.config_path, (args.name,))
+    from tasks.config import ConfigError
+
+    name = args.name
+    if name not in STAGES and not re.fullmatch(rf"({'|'.join(ITERATED)})-[1-9][0-9]*", name):
+        raise ConfigError(f"unknown stage {name!r}; choose one of {', '.join(STAGES)}, or one iteration such as "
+                          "ppo-iteration-2")
+    store, record = _load(args.state_dir, args.run)
+    _refuse_if_running(store, record.run_id)
+    with store.hold(record.run_id, f"rlhf stage {name}") as run:
+        run.record.reruns[name] = run.record.reruns.get(name, 0) + 1
+        run.save()
+    print(f"recomputing {name} of run {record.run_id}: it gets a new artifact key, so every later stage that depends "
+          "on it reruns too (a PPO iteration starts fresh from the previous one)", flush=True)
+    return _execute(store, record.run_id)
 
 
 def _list_runs(args: argparse.Namespace) -> int:
     prepare_environment(args.state_dir)
-    from tasks.state import StateDir
+    from tasks.run_store import RunStore
 
-    runs = StateDir(args.state_dir).list_runs()
+    store = RunStore(args.state_dir)
+    before = {r.run_id: r.status for r in store.list_runs(reconcile=False)}
+    runs = store.list_runs()
     if not runs:
-        print(f"no runs in {Path(args.state_dir).resolve()}")
+        print(f"no runs in {store.root}")
         return 0
+    crashed = [r for r in runs if r.status == "crashed" and before.get(r.run_id) == "running"]
+    if crashed:
+        close_crashed(store, crashed)
     width = max(len("name"), *(len(record.name) for record in runs)) + 2
-    print(f"{'run id':<32}{'name':<{width}}{'status':<11}{'stages done':<13}created")
+    print(f"{'run id':<24}{'name':<{width}}{'status':<11}{'stages done':<13}created")
     for record in runs:
         done = sum(1 for s in record.stages.values() if s.status == "completed")
-        print(f"{record.run_id:<32}{record.name:<{width}}{record.status:<11}{done:<13}{record.created}")
+        print(f"{record.run_id:<24}{record.name:<{width}}{record.status:<11}{done:<13}{record.created}")
     return 0
+
+
+def close_crashed(store: RunStore, records: list[RunRecord]) -> None:
+    """Mark runs found crashed as Crashed in Prefect and KILLED in MLflow, as far as those can be reached."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Crashed
+
+    from tasks import tracking
+    from tasks.config import load_config
+
+    with get_client(sync_client=True) as client:
+        for record in (r for r in records if r.prefect_flow_run_id):
+            try:
+                state = client.read_flow_run(record.prefect_flow_run_id).state
+            except ObjectNotFound:  # the run's Prefect server keeps other records (another PREFECT_API_URL)
+                continue
+            if state is not None and not state.is_final():
+                client.set_flow_run_state(record.prefect_flow_run_id, Crashed(message=record.error), force=True)
+    for record in records:
+        config = load_config(store.config_file(record.run_id))
+        tracking.configure_tracking(store, config.tracking.tracking_uri)
+        for run_id in [record.mlflow_run_id, *(s.mlflow_run_id for s in record.stages.values() if s.status == "running")]:
+            if run_id:
+                tracking.end_run(run_id, "KILLED")

@@ -1,148 +1,91 @@
-"""The RLHF pipeline flow: data-prep -> [sft] -> reward-model -> best-of-n -> (ppo-iteration -> heldout-eval) x N.
+"""The RLHF pipeline flow: data-prep -> sft -> reward-model -> best-of-n -> (ppo-iteration -> heldout-eval ->
+[rm-refresh]) x N.
 
-best-of-n is the standard baseline: best-of-N sampling from the SFT policy under the proxy RM, scored by the
-held-out RM and gold at its analytic KL; it is drawn on every evaluation's over-optimisation plot.
+One run has one id everywhere: the Prefect flow run's name, the MLflow parent run's tag, the lineage tags of the
+model versions it registers, its record in the state folder. ``rlhf run`` creates the run and passes its id; a
+deployment's flow run (scheduled, or started in the UI) derives the id from the flow run itself, so a Prefect retry
+of that flow run (the UI button, ``prefect flow-run retry``) continues the same rlhf run instead of starting another.
+The flow holds the run's lock while it works (a second ``rlhf resume`` is refused), and the run's status is written
+by the flow (running, completed) and by Prefect's failure and crash hooks (failed, crashed); a run killed without a
+word is found by ``rlhf runs`` (its lock is free) and marked crashed there.
 
-Every stage is a Prefect task with a cache key (config sections + input digests + code version) whose result
-is persisted in the state directory: rerunning a finished run skips every stage, ``rlhf resume`` continues a
-killed run from the first unfinished stage (and a PPO iteration from its last checkpoint).
+Every stage goes through the run store (tasks/stage.py): a stage whose artifact exists is reused, so rerunning a
+finished run, resuming a killed one, or starting a new run of the same config only computes what is missing.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow
-from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run as current_flow_run
 
-from flows.summary import build_summary, write_summary
-from tasks.baseline_eval import best_of_n_task
-from tasks.caching import cache_key_fn
+from flows.summary import build_summary
+from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft
 from tasks.config import PipelineConfig, load_config
-from tasks.evaluate import heldout_eval_task
-from tasks.ppo import ppo_iteration_task
-from tasks.reward_model import reward_model_task
-from tasks.rm_refresh import rm_refresh_task
-from tasks.stages import data_stage_task, sft_stage_task
-from tasks.state import RunRecord, StateDir
+from tasks.run_store import ActiveRun, Artifact, RunStore, new_run_id
+from tasks.stage import Runner
 from tasks.tracking import configure_tracking, log_file, pipeline_run
-from tasks.typed_yaml import dump_config, flatten_for_params
+from tasks.typed_yaml import dump_config_text, flatten_for_params
 
-#: Which config sections each stage reads (its cache key covers these, the seed, device and dtype).
-STAGE_SECTIONS = {
-    "data-prep": ("data",),
-    "sft": ("data", "sft", "tracking"),
-    "reward-model": ("sft", "reward_model", "tracking"),
-    "best-of-n": ("data", "ppo.generation", "eval", "reward_model"),
-    "ppo-iteration": ("ppo", "tracking"),
-    "heldout-eval": ("data", "ppo", "eval", "reward_model", "tracking"),
-    "rm-refresh": ("data", "ppo", "reward_model", "refresh", "tracking"),
-}
-STAGES = tuple(STAGE_SECTIONS)
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = ".rlhf_state"
 
 
-def _cached(task: Any, stage: str, refresh: bool) -> Any:
-    """The task with this pipeline's cache key; ``refresh`` forces a rerun and overwrites the cache."""
-    return task.with_options(cache_key_fn=cache_key_fn(stage, STAGE_SECTIONS[stage]), persist_result=True,
-                             refresh_cache=refresh)
+@dataclass
+class Outcome:
+    """The artifacts one pass of the pipeline used, in order."""
+
+    data: Artifact
+    sft: Artifact
+    reward_model: Artifact
+    best_of_n: Artifact
+    ppo: list[Artifact] = field(default_factory=list)
+    evals: list[Artifact] = field(default_factory=list)
+    refreshes: list[Artifact] = field(default_factory=list)
 
 
-class StageRunner:
-    """Runs one stage task, records its status in the run record, and reports whether it was cached."""
-
-    def __init__(self, state: StateDir, record: RunRecord, refresh: tuple[str, ...]) -> None:
-        self.state, self.record, self.refresh = state, record, refresh
-
-    def __call__(self, stage: str, label: str, task: Any, **kwargs: Any) -> Any:
-        self.record.set_stage(label, "running")
-        self.state.save_run(self.record)
-        future_state = _cached(task, stage, stage in self.refresh or label in self.refresh)(
-            **kwargs, return_state=True)
-        try:
-            result = future_state.result()
-        except BaseException as error:
-            self.record.set_stage(label, "failed", error=f"{type(error).__name__}: {error}")
-            self.state.save_run(self.record)
-            raise
-        cached = future_state.name == "Cached"
-        self.record.set_stage(label, "completed", result={"cached": cached})
-        self.state.save_run(self.record)
-        return result
-
-
-@flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config_path: str, run_id: str | None = None, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run (or resume) pipeline run ``run_id`` with the config at ``config_path``.
-
-    Without ``run_id`` (a scheduled deployment) a new run is created and the resolved config recorded in it.
-    """
-    config = load_config(config_path)
-    state = StateDir(config.state_dir).ensure()
-    if run_id is None:
-        record = state.new_run(config.name)
-        config_path = record.config_path = dump_config(config, state.run_dir(record.run_id) / "config.yaml")
-        state.save_run(record)
-        run_id = record.run_id
-    record = state.load_run(run_id)
-    run_dir = state.run_dir(run_id)
-    configure_tracking(state, config.tracking.tracking_uri)
-    started = time.monotonic()
-    with pipeline_run(config.tracking.experiment, f"{config.name}-{run_id}", flatten_for_params(config),
-                      {"rlhf.run_id": run_id}, run_id=record.mlflow_run_id) as parent:
-        record.mlflow_run_id, record.status = parent.info.run_id, "running"
-        state.save_run(record)
-        log_file(config_path, "config")
-        runner = StageRunner(state, record, refresh)
-        summary = _stages(config, runner, run_dir, parent.info.run_id)
-        summary.update(run_id=run_id, seconds=time.monotonic() - started, mlflow_run_id=parent.info.run_id)
-        record.summary_path = write_summary(summary, run_dir / "summary.json")
-        log_file(record.summary_path, "summary")
-    record.status = "completed"
-    state.save_run(record)
-    return summary
-
-
-def _stages(config: PipelineConfig, run: Callable[..., Any], run_dir: Path, parent: str) -> dict[str, Any]:
-    data = run("data-prep", "data-prep", data_stage_task, config=config, out_dir=str(run_dir / "data"),
-               parent_run_id=parent)
-    sft = run("sft", "sft", sft_stage_task, config=config, data=data, out_dir=str(run_dir / "sft"),
-              parent_run_id=parent)
-    rm = run("reward-model", "reward-model", reward_model_task, config=config, train_pairs=data.train_pairs,
-             heldout_pairs=data.heldout_pairs, sft_model=sft.model_uri, out_dir=str(run_dir / "reward_model"),
-             parent_run_id=parent)
-    baseline = run("best-of-n", "best-of-n", best_of_n_task, config=config, sft_uri=sft.model_uri,
-                   proxy_rm_uri=rm.proxy_uri, heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
-                   out_dir=str(run_dir / "best_of_n"), parent_run_id=parent)
-    history: list[dict[str, float]] = []
-    checkpoint, evals, refreshes, reward_model, rm_generation = None, [], [], rm.proxy_uri, 0
+def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
+    """Every stage of the pipeline, each a Prefect task run named by its label."""
+    data = data_prep.data_prep_task("data-prep", data_prep.Config.of(config), data_prep.Inputs(), runner)
+    sft_art = sft.sft_task("sft", sft.Config.of(config), sft.Inputs(data), runner)
+    reference = sft.model_input(sft_art)
+    rm_cfg = reward_model.Config.of(config)
+    rm_art = reward_model.reward_model_task("reward-model", rm_cfg, reward_model.Inputs.of(rm_cfg, data, reference),
+                                            runner)
+    proxy, heldout = reward_model.model_input(rm_art, "proxy"), reward_model.model_input(rm_art, "heldout")
+    baseline = best_of_n.best_of_n_task("best-of-n", best_of_n.Config.of(config),
+                                        best_of_n.Inputs(data, reference, proxy, heldout), runner)
+    outcome = Outcome(data, sft_art, rm_art, baseline)
+    rm_generation, previous = 0, None
     for k in range(1, config.ppo.iterations + 1):
-        ppo = run("ppo-iteration", f"ppo-iteration-{k}", ppo_iteration_task, config=config, iteration=k,
-                  reference_uri=sft.model_uri, reward_model_uri=reward_model, ppo_prompts=data.ppo_prompts,
-                  out_dir=str(run_dir / "ppo"), parent_run_id=parent, init_checkpoint=checkpoint)
-        checkpoint = ppo.checkpoint
-        evaluation = run("heldout-eval", f"heldout-eval-{k}", heldout_eval_task, config=config,
-                         policy_uri=ppo.policy_uri, reference_uri=sft.model_uri, proxy_rm_uri=reward_model,
-                         heldout_rm_uri=rm.heldout_uri, eval_prompts=data.eval_prompts,
-                         out_dir=str(run_dir / "eval" / f"iter_{k:03d}"), parent_run_id=parent, iteration=k,
-                         history=list(history), policy_version=ppo.policy_version,
-                         best_of_n=list(baseline.points), rm_generation=rm_generation)
-        history.append(dict(evaluation.metrics))
-        evals.append(evaluation)
-        if k < config.ppo.iterations and should_refresh(config, k, evaluation.status):
-            refreshed = run("rm-refresh", f"rm-refresh-{k}", rm_refresh_task, config=config, iteration=k,
-                            policy_uri=ppo.policy_uri, proxy_rm_uri=reward_model, heldout_rm_uri=rm.heldout_uri,
-                            train_pairs=data.train_pairs, heldout_pairs=data.heldout_pairs,
-                            ppo_prompts=data.ppo_prompts, out_dir=str(run_dir / "rm_refresh"), parent_run_id=parent,
-                            earlier_pairs=[r.pairs_path for r in refreshes])
-            refreshes.append(refreshed)
-            if refreshed.reward_model_uri != reward_model:
+        ppo = ppo_iteration.ppo_iteration_task(f"ppo-iteration-{k}", ppo_iteration.Config.of(config, k),
+                                               ppo_iteration.Inputs(data, reference, proxy, previous), runner)
+        policy = ppo_iteration.model_input(ppo)
+        evaluation = heldout_eval.heldout_eval_task(
+            f"heldout-eval-{k}", heldout_eval.Config.of(config, k, rm_generation),
+            heldout_eval.Inputs(data, policy, reference, proxy, heldout, baseline, tuple(outcome.evals)), runner)
+        outcome.ppo.append(ppo)
+        outcome.evals.append(evaluation)
+        status = heldout_eval.STAGE.result(evaluation).status
+        if k < config.ppo.iterations and should_refresh(config, k, status):
+            refresh_cfg = rm_refresh.Config.of(config, k)
+            refreshed = rm_refresh.rm_refresh_task(
+                f"rm-refresh-{k}", refresh_cfg,
+                rm_refresh.Inputs.of(refresh_cfg, data, policy, proxy, heldout, outcome.refreshes), runner)
+            outcome.refreshes.append(refreshed)
+            if rm_refresh.STAGE.result(refreshed).promoted:
                 # Proxy scores of different reward models are not comparable: the hacking detector's window
                 # restarts at the new generation (the plot keeps every iteration).
-                reward_model, rm_generation = refreshed.reward_model_uri, rm_generation + 1
-    return build_summary(config, data, sft, rm, evals, baseline.points, refreshes)
+                proxy, rm_generation = rm_refresh.model_input(refreshed), rm_generation + 1
+        previous = ppo
+    return outcome
 
 
 def should_refresh(config: PipelineConfig, iteration: int, status: str) -> bool:
@@ -154,9 +97,78 @@ def should_refresh(config: PipelineConfig, iteration: int, status: str) -> bool:
     return scheduled or (section.on_hacking and status == "hacking")
 
 
-def run_pipeline(config_path: str, run_id: str, refresh: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run the flow with Prefect results persisted under the run's state directory (survives the process)."""
-    config = load_config(config_path)
-    storage = StateDir(config.state_dir).ensure().prefect / "results"
-    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(storage)}):
-        return rlhf_pipeline(config_path, run_id, refresh)
+# --------------------------------------------------------------------------------------------- identity
+
+
+def prefect_run_id() -> str:
+    """The rlhf run id of a flow run started without one: its creation time and its id, so every attempt of the
+    same flow run (a retry) names the same rlhf run."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return new_run_id()
+    created = context.flow_run.created or datetime.now(timezone.utc)
+    return new_run_id(created, context.flow_run.id.hex[:6])
+
+
+def flow_run_name() -> str:
+    """The flow run is named by the rlhf run id."""
+    return current_flow_run.parameters.get("run_id") or prefect_run_id()
+
+
+def _mark(status: str):
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        store = RunStore(flow_run.parameters.get("state_dir") or DEFAULT_STATE_DIR)
+        run_id = flow_run.parameters.get("run_id") or flow_run.name
+        if not store.exists(run_id):
+            return  # it failed before the run existed (bad parameters)
+        message = (state.message or status).splitlines()[0] if state is not None else status
+        store.end_run(run_id, status, message)
+
+    hook.__name__ = f"mark_{status}"
+    return hook
+
+
+# --------------------------------------------------------------------------------------------- the flow
+
+
+@flow(name="rlhf-pipeline", flow_run_name=flow_run_name, persist_result=False, log_prints=True,
+      on_failure=[_mark("failed")], on_crashed=[_mark("crashed")], on_cancellation=[_mark("failed")])
+def rlhf_pipeline(run_id: str | None = None, state_dir: str = DEFAULT_STATE_DIR, preset: str | None = None,
+                  config_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run (or continue) pipeline run ``run_id`` under ``state_dir``.
+
+    Without ``run_id`` (a deployment) the id comes from the flow run; the first attempt resolves the config from
+    ``preset`` + ``config_file`` + ``overrides`` exactly as ``rlhf run`` does and records it, later attempts (a
+    Prefect retry) continue with the recorded config.
+    """
+    store = RunStore(state_dir).ensure()
+    run_id = run_id or prefect_run_id()
+    if not store.exists(run_id):
+        config = load_config(config_file, preset, overrides or [])
+        store.create_run(config.name, dump_config_text(config), run_id)
+    flow_run_id = str(current_flow_run.id) if current_flow_run.id else None
+    with store.hold(run_id, f"Prefect flow run {flow_run_id}" if flow_run_id else "rlhf pipeline") as run:
+        run.record.prefect_flow_run_id = flow_run_id or run.record.prefect_flow_run_id
+        run.set_status("running")
+        config = load_config(store.config_file(run_id))
+        summary = execute(config, store, run)
+        run.set_status("completed")
+    return summary
+
+
+def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str, Any]:
+    """The stages inside the run's MLflow parent run, then the summary."""
+    configure_tracking(store, config.tracking.tracking_uri)
+    started = time.monotonic()
+    with pipeline_run(config.tracking.experiment, run.run_id, f"{config.name} {run.run_id}",
+                      flatten_for_params(config), {"rlhf.name": config.name},
+                      amended=bool(run.record.amendments)) as parent:
+        run.record.mlflow_run_id = parent
+        run.save()
+        log_file(parent, store.config_file(run.run_id), "config")
+        outcome = run_stages(config, Runner(store, run, parent, config.tracking))
+        summary = build_summary(config, outcome, run.record)
+        summary.update(run_id=run.run_id, seconds=time.monotonic() - started, mlflow_run_id=parent)
+        path = store.write_summary(run.run_id, summary)
+        log_file(parent, path, "summary")
+    return summary

@@ -1,11 +1,16 @@
-"""The run summary: SFT policy vs final policy on every scorer, as ``summary.json`` and a printed table."""
+"""The run summary: SFT policy vs final policy on every scorer, as ``summary.json`` and a printed table, with the
+lineage of the run (which artifact each stage used, which model versions it registered)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tasks.io import write_json
+from tasks import heldout_eval, rm_refresh
+
+if TYPE_CHECKING:
+    from flows.pipeline import Outcome
+    from tasks.config import PipelineConfig
+    from tasks.run_store import RunRecord
 
 #: summary key -> (metric of the final policy, metric of the reference = SFT policy)
 SCORES = {
@@ -25,31 +30,34 @@ def _policy_row(metrics: dict[str, float], which: int) -> dict[str, float | None
     return row
 
 
-def build_summary(config: Any, data: Any, sft: Any, rm: Any, evals: list[Any],
-                  best_of_n: Any = (), refreshes: Any = ()) -> dict[str, Any]:
-    """``{"policies": {"sft": {...}, "final": {...}}, "status", "iterations", ...}`` from the last evaluation."""
+def build_summary(config: PipelineConfig, outcome: Outcome, record: RunRecord) -> dict[str, Any]:
+    """``{"policies": {"sft": {...}, "final": {...}}, "status", "iterations", "models", "artifacts", ...}``."""
+    evals = [heldout_eval.STAGE.result(a) for a in outcome.evals]
     last = evals[-1]
+    models = {label: dict(entry.models) for label, entry in record.stages.items() if entry.models}
+    refreshes = []
+    for artifact in outcome.refreshes:
+        result = rm_refresh.STAGE.result(artifact)
+        label = f"rm-refresh-{result.iteration}"
+        refreshes.append({"iteration": result.iteration, "promoted": result.promoted, "reason": result.reason,
+                          "reward_model_uri": models.get(label, {}).get("reward_model"), **result.metrics})
     return {
         "name": config.name,
         "seed": config.seed,
         "policies": {"sft": _policy_row(last.metrics, 1), "final": _policy_row(last.metrics, 0)},
         "status": last.status,
         "reasons": list(last.reasons),
-        "promoted": bool(last.promoted),
+        "promoted": bool(last.promote),
         "iterations": [{"iteration": e.iteration, "status": e.status, **e.metrics} for e in evals],
-        "best_of_n": [dict(point) for point in best_of_n],
-        "refreshes": [{"iteration": r.iteration, "reward_model_uri": r.reward_model_uri, "promoted": r.promoted,
-                       **r.metrics} for r in refreshes],
-        "reward_model": dict(rm.metrics),
-        "sft": dict(sft.metrics),
-        "data": dict(data.metrics),
-        "models": {"sft": sft.model_uri, "proxy_rm": rm.proxy_uri, "heldout_rm": rm.heldout_uri},
+        "best_of_n": [dict(point) for point in outcome.best_of_n.result["points"]],
+        "refreshes": refreshes,
+        "reward_model": dict(outcome.reward_model.result["metrics"]),
+        "sft": dict(outcome.sft.result["metrics"]),
+        "data": dict(outcome.data.result["metrics"]),
+        "models": models,
+        "artifacts": {label: {"artifact": f"{entry.stage}/{entry.key}", "cached_from": entry.cached_from}
+                      for label, entry in record.stages.items()},
     }
-
-
-def write_summary(summary: dict[str, Any], path: Path) -> str:
-    """Write ``summary.json`` atomically."""
-    return write_json(summary, path)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -61,6 +69,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{name:<8}{cells}")
     lines += [refresh_line(r) for r in summary.get("refreshes", [])]
     lines.append(f"status: {summary['status']}" + (f" ({'; '.join(summary['reasons'])})" if summary["reasons"] else ""))
+    cached = [label for label, a in summary.get("artifacts", {}).items() if a.get("cached_from")]
+    if cached:
+        lines.append(f"reused from earlier runs: {', '.join(cached)}")
     lines.append(f"run {summary.get('run_id', '?')} in {summary.get('seconds', 0.0):.0f}s; "
                  f"final policy promoted to champion: {summary['promoted']}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
 from rlhf_core.training.sft import SFTConfig
+from tasks.run_store.keys import LocalPath, ModelSource
 from tasks.typed_yaml import ConfigError, build, derived, merge_layer, parse_override, read_yaml
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
@@ -37,9 +38,9 @@ class DataSection:
 
     source: Literal["demo", "files"] = "demo"
     """'demo': generate the embedded task; 'files': read ``files`` (Parquet / JSONL / CSV)."""
-    files: tuple[str, ...] = ()
+    files: tuple[LocalPath, ...] = ()
     """Preference files (local paths or URIs); only with source 'files'."""
-    prompts_file: str | None = None
+    prompts_file: LocalPath | None = None
     """Optional separate PPO prompts file (column 'prompt'); None = PPO prompts are split off the pairs."""
     demo: DemoDataConfig = field(default_factory=DemoDataConfig)
     """Sizes of the generated task."""
@@ -61,7 +62,7 @@ class SFTSection(SFTConfig):
     enabled: bool = True
     """Run the sft stage; False = use ``base_model`` as the SFT policy as it is (with demonstrations, its
     held-out loss and gold report are still measured)."""
-    base_model: str | None = None
+    base_model: ModelSource | None = None
     """Hugging Face id or local path of the base policy; None = build a small GPT and a BPE tokenizer here."""
     vocab_size: int = 2000
     """Vocabulary of the BPE tokenizer trained on the task text (only when base_model is None)."""
@@ -83,7 +84,7 @@ class SFTSection(SFTConfig):
 class RewardModelSection:
     """The proxy reward model PPO optimises, and the held-out one that only evaluation sees."""
 
-    init: str = "sft"
+    init: ModelSource = "sft"
     """'sft': start from the SFT policy's weights; 'scratch': fresh model of the policy's shape; else a path/id."""
     training: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
     """Training of the proxy reward model (on the train pairs)."""
@@ -163,10 +164,10 @@ class RefreshSection:
     'rm_judge' lets the reward model ``judge_model`` prefer the higher-scoring reply."""
     annotator_temperature: float = DEFAULT_TEMPERATURE
     """Noise of the simulated annotator."""
-    judge_model: str | None = None
+    judge_model: ModelSource | None = None
     """rm_judge only: local path or ``models:/`` URI of the judging reward model. None = the held-out RM, which
     then stops being independent of the proxy: give a separate judge when the held-out eval must stay clean."""
-    labels_file: str | None = None
+    labels_file: LocalPath | None = None
     """file only: the labelled copy of the exported pairs (CSV or Parquet); '{iteration}' in it becomes the
     iteration number. None = export the unlabelled pairs and stop with instructions (see tasks/labelling.py)."""
     export_format: Literal["csv", "parquet"] = "csv"
@@ -243,7 +244,7 @@ class DistributedSection:
     the weights they trained: data-parallel DeepSpeed ZeRO, with the same stage code and the same results.
     """
 
-    deepspeed_config: str | None = None
+    deepspeed_config: LocalPath | None = None
     """DeepSpeed JSON (e.g. infra/deepspeed/zero2.json, zero3_offload.json); None = train in the stage's process."""
     num_processes: int = 1
     """Worker processes per node: one per GPU."""

@@ -1,120 +1,209 @@
-"""The data-prep stage: read preference files, validate / dedupe / split them in rlhf_core.data, write Parquet.
+"""The data-prep stage: preference files (or the generated demo task) -> validated, deduped, split Parquet tables.
 
-`run_data_prep` is the plain function (used by the CLI and tests); `data_prep_task` wraps it for Prefect.
-The returned DataPrepResult carries the counts (`counts.as_metrics()`): the seam for MLflow logging.
+User files (Parquet / JSONL / CSV; TRL, HH or chat format) are read by ``tasks.io`` and prepared by
+``rlhf_core.data``: every rejected row goes to ``quarantine.parquet`` with its file, row, column and reason, and
+``rows_in == accepted + quarantined``. The demo task's pairs are written as a raw input file and go through the same
+path; beside them the stage writes SFT demonstrations and an evaluation prompt set with hidden metadata
+(``rlhf_core.demo.tables``). ``rlhf prep`` runs :func:`prepare` alone.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from prefect import task
+from typing import TYPE_CHECKING, Literal
 
 from rlhf_core.data import (PPO_PROMPTS, PREFERENCE_PAIRS, QUARANTINE, DataError, DataPrepConfig, DataPrepCounts,
-                            check_outcome, format_counts, prepare_data)
-from tasks.io import read_source, write_json, write_parquet
-from tasks.retries import retry_on_transient_io
+                            SourceFile, check_outcome, format_counts, prepare_data)
+from rlhf_core.data.schema import PROMPT, PROMPT_ID
+from rlhf_core.data.split import prompt_id
+from rlhf_core.demo import generate_preference_pairs, generate_sft_demonstrations
+from rlhf_core.demo.config import DemoDataConfig
+from rlhf_core.demo.tables import (EVAL_PROMPTS, RAW_PAIRS, SFT_DEMONSTRATIONS, draw_eval_prompts, eval_row,
+                                   split_demonstrations)
+from tasks.io import read_parquet, read_source, write_json, write_parquet
+from tasks.run_store import Artifact, LocalPath
+from tasks.stage import Publication, Stage, StageContext, stage_task
+from tasks.typed_yaml import flatten_for_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-TRAIN_FILE = "train_pairs.parquet"
-HELDOUT_FILE = "heldout_pairs.parquet"
-PPO_PROMPTS_FILE = "ppo_prompts.parquet"
-QUARANTINE_FILE = "quarantine.parquet"
-COUNTS_FILE = "data_prep_counts.json"
+    from tasks.config import PipelineConfig
+
+NAME = "data-prep"
+TRAIN_FILE, HELDOUT_FILE, PPO_PROMPTS_FILE = "train_pairs.parquet", "heldout_pairs.parquet", "ppo_prompts.parquet"
+QUARANTINE_FILE, COUNTS_FILE, EVAL_PROMPTS_FILE = "quarantine.parquet", "data_prep_counts.json", "eval_prompts.parquet"
+RAW_PAIRS_FILE, SFT_TRAIN_FILE, SFT_EVAL_FILE = "raw/demo_pairs.parquet", "sft_train.parquet", "sft_eval.parquet"
 
 
 @dataclass(frozen=True)
-class DataPrepResult:
-    """Where the stage wrote its tables, and the reconciled counts."""
+class Config:
+    """What data-prep is given: the data section, and the seed only when it generates the demo task."""
+
+    source: Literal["demo", "files"]
+    """'demo': generate the embedded task; 'files': read ``files``."""
+    prep: DataPrepConfig
+    """Validation, dedupe and split settings."""
+    files: tuple[LocalPath, ...] = ()
+    """Preference files (their content is part of the key)."""
+    prompts_file: LocalPath | None = None
+    """Optional separate PPO prompts file."""
+    demo: DemoDataConfig | None = None
+    """Sizes of the generated task (demo only)."""
+    seed: int | None = None
+    """Seed of the generated task (demo only: user files are split by a salted hash, not a seed)."""
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> Config:
+        data = config.data
+        if data.source == "demo":
+            return cls("demo", data.prep, demo=data.demo, seed=config.seed)
+        return cls("files", data.prep, files=tuple(data.files), prompts_file=data.prompts_file)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """data-prep reads no artifacts (its files are in its config)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """The tables (paths relative to the artifact) and the reconciled counts."""
 
     train_pairs: str
-    """Reward-model training pairs (schema.PREFERENCE_PAIRS)."""
     heldout_pairs: str
-    """Held-out pairs (schema.PREFERENCE_PAIRS)."""
     ppo_prompts: str
-    """PPO prompts (schema.PPO_PROMPTS)."""
     quarantine: str
-    """Rejected rows with reasons (schema.QUARANTINE)."""
-    counts_json: str
-    """The counts as JSON."""
-    counts: DataPrepCounts
-    """Rows in / accepted / quarantined (by reason) / split sizes."""
-
-    def paths(self) -> dict[str, str]:
-        """Output name -> path."""
-        return {k: v for k, v in asdict(self).items() if k != "counts"}
-
-    def summary(self) -> str:
-        """Counts table followed by the output paths."""
-        return format_counts(self.counts) + "\n" + "\n".join(f"{k:<14} {v}" for k, v in self.paths().items())
+    eval_prompts: str
+    """The fixed evaluation prompts (demo: with hidden metadata; user data: the held-out pairs' prompts)."""
+    counts: str
+    sft_train: str | None = None
+    """SFT demonstrations (demo only; user data needs ``sft.base_model``)."""
+    sft_eval: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``data/...`` counts (and ``demo/...`` for the generated task)."""
 
 
-def run_data_prep(
-    inputs: str | Sequence[str],
-    out_dir: str | Path,
-    config: DataPrepConfig | None = None,
-    prompts_file: str | None = None,
-    tokenizer: PreTrainedTokenizerBase | str | None = None,
-) -> DataPrepResult:
-    """Read `inputs` (Parquet / JSONL / CSV paths or URIs), prepare them, write the tables under `out_dir`.
+@dataclass(frozen=True)
+class DemoDataCounts:
+    """Rows of the demo-only tables (the pair counts are the data-prep counts)."""
 
-    `tokenizer` (object, or name/path for AutoTokenizer) switches max_length to tokens and renders chat
-    data with its chat template. The quarantine table is written first, so a DataError for too many bad
-    rows can point at it; the other tables (and stale ones from an earlier run) exist only after success.
+    sft_rows_in: int
+    sft_duplicates: int
+    sft_train: int
+    sft_eval: int
+    eval_prompts: int
+    eval_prompts_skipped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sft_rows_in != self.sft_duplicates + self.sft_train + self.sft_eval:
+            raise AssertionError(f"demo SFT counts do not reconcile: {self}")
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"demo/{name}": float(value) for name, value in asdict(self).items()}
+
+
+def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
+    return prepare(cfg, ctx.out)
+
+
+def prepare(cfg: Config, out: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
+    """Generate or read the data, validate, dedupe and split it, and write every table under ``out``.
+
+    ``tokenizer`` (``rlhf prep --tokenizer``) makes ``prep.max_length`` count tokens and renders chat data with its
+    template. Raises DataError naming the file (and the quarantine table) when the data cannot be used.
     """
-    config = config or DataPrepConfig()
-    sources = [read_source(uri) for uri in ([inputs] if isinstance(inputs, str) else inputs)]
-    prompt_sources = [read_source(prompts_file)] if prompts_file else []
-    tables = prepare_data(sources, config, _load_tokenizer(tokenizer), prompt_sources)
-    out = Path(out_dir)
-    _remove_stale_outputs(out)
+    for name in (TRAIN_FILE, HELDOUT_FILE, PPO_PROMPTS_FILE, COUNTS_FILE, EVAL_PROMPTS_FILE, SFT_TRAIN_FILE,
+                 SFT_EVAL_FILE):
+        (out / name).unlink(missing_ok=True)  # `rlhf prep` into a used folder: no stale mix after a failure
+    if cfg.source == "demo":
+        return _prepare_demo(cfg, out)
+    sources = [read_source(uri) for uri in cfg.files]
+    prompt_sources = [read_source(cfg.prompts_file)] if cfg.prompts_file else []
+    tables, counts = _prepare_pairs(cfg, sources, prompt_sources, out, tokenizer)
+    prompts = dict.fromkeys(str(r[PROMPT]) for r in read_parquet(out / HELDOUT_FILE, PREFERENCE_PAIRS))
+    heldout = [{PROMPT: p, PROMPT_ID: prompt_id(p)} for p in prompts]
+    if not heldout:
+        raise DataError(f"{out / HELDOUT_FILE} has no held-out pairs, so there is nothing to evaluate on; raise "
+                        "data.prep.heldout_fraction")
+    write_parquet(heldout, PPO_PROMPTS, out / EVAL_PROMPTS_FILE)
+    return Result(**tables, eval_prompts=EVAL_PROMPTS_FILE, metrics=counts.as_metrics())
+
+
+def _prepare_pairs(cfg: Config, sources: Sequence[SourceFile], prompt_sources: Sequence[SourceFile], out: Path,
+                   tokenizer: PreTrainedTokenizerBase | None) -> tuple[dict[str, str], DataPrepCounts]:
+    tables = prepare_data(sources, cfg.prep, tokenizer, prompt_sources)
     quarantine = write_parquet(tables.quarantine, QUARANTINE, out / QUARANTINE_FILE)
-    check_outcome(tables.counts, config.max_quarantine_fraction, quarantine)
-    counts_json = {**asdict(tables.counts), "quarantine_fraction": tables.counts.quarantine_fraction}
-    return DataPrepResult(
-        train_pairs=write_parquet(tables.train_pairs, PREFERENCE_PAIRS, out / TRAIN_FILE),
-        heldout_pairs=write_parquet(tables.heldout_pairs, PREFERENCE_PAIRS, out / HELDOUT_FILE),
-        ppo_prompts=write_parquet(tables.ppo_prompts, PPO_PROMPTS, out / PPO_PROMPTS_FILE),
-        quarantine=quarantine,
-        counts_json=write_json(counts_json, out / COUNTS_FILE),
-        counts=tables.counts,
-    )
+    check_outcome(tables.counts, cfg.prep.max_quarantine_fraction, quarantine)
+    write_parquet(tables.train_pairs, PREFERENCE_PAIRS, out / TRAIN_FILE)
+    write_parquet(tables.heldout_pairs, PREFERENCE_PAIRS, out / HELDOUT_FILE)
+    write_parquet(tables.ppo_prompts, PPO_PROMPTS, out / PPO_PROMPTS_FILE)
+    write_json({**asdict(tables.counts), "quarantine_fraction": tables.counts.quarantine_fraction}, out / COUNTS_FILE)
+    return {"train_pairs": TRAIN_FILE, "heldout_pairs": HELDOUT_FILE, "ppo_prompts": PPO_PROMPTS_FILE,
+            "quarantine": QUARANTINE_FILE, "counts": COUNTS_FILE}, tables.counts
 
 
-def _remove_stale_outputs(out: Path) -> None:
-    """Delete this stage's tables from an earlier run, so a failed run cannot leave a stale mix behind."""
-    for name in (TRAIN_FILE, HELDOUT_FILE, PPO_PROMPTS_FILE, COUNTS_FILE):
-        (out / name).unlink(missing_ok=True)
+def _prepare_demo(cfg: Config, out: Path) -> Result:
+    """The generated pairs go through the user-data path; demonstrations and evaluation prompts are written beside."""
+    demo, seed = cfg.demo or DemoDataConfig(), cfg.seed or 0
+    pairs = generate_preference_pairs(demo.n_pairs, seed, demo.annotator_temperature)
+    raw = read_source(write_parquet(pairs, RAW_PAIRS, out / RAW_PAIRS_FILE))
+    # Quarantine rows name the generated file as the artifact holds it, not where it was written.
+    raw = SourceFile(RAW_PAIRS_FILE, raw.columns, [replace(row, source_file=RAW_PAIRS_FILE) for row in raw.rows])
+    tables, counts = _prepare_pairs(cfg, [raw], [], out, None)
+    demos = generate_sft_demonstrations(demo.n_sft, seed)
+    train, held_out, duplicates = split_demonstrations(demos, demo.sft_eval_fraction, cfg.prep.split_salt)
+    ppo_prompts = {str(row[PROMPT]) for row in read_parquet(out / PPO_PROMPTS_FILE, PPO_PROMPTS)}
+    records, skipped = draw_eval_prompts(demo.n_eval_prompts, seed, ppo_prompts)
+    demo_counts = DemoDataCounts(len(demos), duplicates, len(train), len(held_out), len(records), skipped)
+    write_parquet(train, SFT_DEMONSTRATIONS, out / SFT_TRAIN_FILE)
+    write_parquet(held_out, SFT_DEMONSTRATIONS, out / SFT_EVAL_FILE)
+    write_parquet([eval_row(r) for r in records], EVAL_PROMPTS, out / EVAL_PROMPTS_FILE)
+    write_json({"config": asdict(demo), "seed": seed, "counts": asdict(demo_counts)}, out / "demo_data_counts.json")
+    return Result(**tables, eval_prompts=EVAL_PROMPTS_FILE, sft_train=SFT_TRAIN_FILE, sft_eval=SFT_EVAL_FILE,
+                  metrics=counts.as_metrics() | demo_counts.as_metrics())
 
 
-def _load_tokenizer(tokenizer: PreTrainedTokenizerBase | str | None) -> PreTrainedTokenizerBase | None:
-    if not isinstance(tokenizer, str):
-        return tokenizer
+def load_tokenizer(name: str | None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer ``rlhf prep --tokenizer`` names (a local folder or a cached id), or None."""
+    if name is None:
+        return None
     from transformers import AutoTokenizer  # imported only when asked for: it is slow to import
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return AutoTokenizer.from_pretrained(name)
     except OSError as err:
-        raise DataError(
-            f"tokenizer {tokenizer!r} cannot be loaded ({err}); give a local path or a cached model id"
-        ) from err
+        raise DataError(f"tokenizer {name!r} cannot be loaded ({err}); give a local path or a cached model id") from err
 
 
-@task(name="data-prep", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=retry_on_transient_io,
-      log_prints=True)
-def data_prep_task(
-    inputs: list[str],
-    out_dir: str,
-    config: DataPrepConfig | None = None,
-    prompts_file: str | None = None,
-    tokenizer: str | None = None,
-) -> DataPrepResult:
-    """Prefect task around run_data_prep; prints the counts table into the run log."""
-    result = run_data_prep(inputs, out_dir, config, prompts_file, tokenizer)
-    print(result.summary())
-    return result
+def summary(result: Result, folder: Path) -> str:
+    """The counts table (with the demo task's own tables' counts) and where each table is (``rlhf prep`` prints
+    it)."""
+    counts = DataPrepCounts(**{k: v for k, v in _read_counts(folder / result.counts).items()
+                               if k != "quarantine_fraction"})
+    paths = {name: folder / value for name, value in asdict(result).items()
+             if isinstance(value, str) and value.endswith((".parquet", ".json"))}
+    demo = {name.removeprefix("demo/"): int(value) for name, value in result.metrics.items()
+            if name.startswith("demo/")}
+    rows = [("sft demos", "sft_rows_in"), ("  duplicates", "sft_duplicates"), ("sft train", "sft_train"),
+            ("sft eval", "sft_eval"), ("eval prompts", "eval_prompts")] if demo else []
+    lines = [format_counts(counts), *(f"{label:<19}  {demo[name]}" for label, name in rows)]
+    return "\n".join(lines + [f"{name:<14} {path}" for name, path in paths.items()])
+
+
+def _read_counts(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
+    result = STAGE.result(artifact)
+    pub.log_params(flatten_for_params(cfg))
+    pub.log_metrics(result.metrics)
+    pub.log_files([result.counts, result.quarantine], "data")
+
+
+STAGE = Stage(NAME, compute, publish, Result)
+data_prep_task = stage_task(STAGE, retries=2)

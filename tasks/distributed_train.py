@@ -2,10 +2,11 @@
 
 A stage with ``distributed.deepspeed_config`` set writes the job and starts one worker per GPU with torchrun
 or the deepspeed launcher (tasks/launch.py); run by hand, the same command joins a multi-node torchrun job.
-Every worker builds the same models and data from the job's files, runs the same ``rlhf_core`` training
-function as the in-process stage with a DeepSpeed strategy, and rank 0 writes what the stage reads back: a
-JSON line of metrics per step (``metrics.jsonl``), then the trained weights (reward model) or the final
-checkpoint (PPO). Workers never talk to MLflow: the stage process logs what rank 0 writes.
+Every worker rebuilds the stage's settings from the job (strictly, with the config's own builder), builds the same
+models and data from the job's files, runs the same ``rlhf_core`` training function as the in-process stage with a
+DeepSpeed strategy, and rank 0 writes what the stage reads back: a JSON line of metrics per step
+(``metrics.jsonl``), then the trained weights (reward model) or the final checkpoint (PPO). Workers never talk to
+MLflow: the stage process logs what rank 0 writes.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
 from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.ppo_loop import train_ppo
 from rlhf_core.training.reward_training import PreferencePair, train_reward_model
-from tasks.config import PipelineConfig, config_from_dict
+from tasks.io import read_prompts
 from tasks.launch import DistributedJob, reward_history_to_json
-from tasks.ppo import build_models, load_prompts
-from tasks.runtime import device_of, dtype_of
-from tasks.typed_yaml import section_from_dict
+from tasks.models import build_ppo_models, max_positions, tokenize_prompts
+from tasks.runtime import Runtime
+from tasks.typed_yaml import build
 
 log = logging.getLogger("tasks.distributed_train")
 
@@ -57,24 +58,30 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}/{world_size}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     job = DistributedJob.read(args.job)
-    config = config_from_dict(job.config, f"{args.job} (config)")
+    runtime = job_settings(Runtime, job.runtime, "runtime", job)
     deepspeed_config = load_deepspeed_config(job.deepspeed_config)
     if job.stage == "reward-model":
-        train_reward(job, config, deepspeed_config, rank, world_size)
+        train_reward(job, runtime, deepspeed_config, rank, world_size)
     elif job.stage == "ppo":
-        train_policy(job, config, deepspeed_config, rank)
+        train_policy(job, runtime, deepspeed_config, rank)
     else:
         raise ValueError(f"{args.job}: unknown stage {job.stage!r}; expected 'reward-model' or 'ppo'")
     return 0
 
 
-def train_reward(job: DistributedJob, config: PipelineConfig, deepspeed_config: dict[str, Any], rank: int,
+def job_settings(cls: type, data: dict[str, Any], name: str, job: DistributedJob) -> Any:
+    """Settings dataclass ``cls`` rebuilt from the job's data, as strictly as ``load_config``; a bad key is reported
+    as coming from the job file."""
+    return build(cls, dict(data), name, {name: str(Path(job.workdir) / "job.json")})
+
+
+def train_reward(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[str, Any], rank: int,
                  world_size: int) -> None:
     """train_reward_model on this rank's share of every batch; rank 0 saves the weights and the history."""
     spec, folder = job.reward, Path(job.workdir)
-    cfg = section_from_dict(RewardTrainingConfig, spec["training"], "reward_model.training")
+    cfg = job_settings(RewardTrainingConfig, spec["training"], "reward_model.training", job)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    model = load_reward_model(spec["model_dir"], dtype_of(config)).to(device_of(config))
+    model = load_reward_model(spec["model_dir"], runtime.torch_dtype).to(runtime.torch_device)
     pairs = json.loads(Path(spec["pairs_file"]).read_text(encoding="utf-8"))
     factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=math.ceil(cfg.batch_size / world_size))
     on_log = MetricsWriter(folder / "metrics.jsonl") if rank == 0 else None
@@ -86,18 +93,19 @@ def train_reward(job: DistributedJob, config: PipelineConfig, deepspeed_config: 
         (folder / "history.json").write_text(json.dumps(reward_history_to_json(result)), encoding="utf-8")
 
 
-def train_policy(job: DistributedJob, config: PipelineConfig, deepspeed_config: dict[str, Any], rank: int) -> None:
+def train_policy(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[str, Any], rank: int) -> None:
     """train_ppo with each rank generating its share of every rollout batch; checkpoints go where the stage reads."""
-    spec, section = job.ppo, config.ppo
+    spec = job.ppo
+    config = job_settings(PPOConfig, spec["config"], "ppo", job)
     tokenizer = AutoTokenizer.from_pretrained(spec["reference_dir"])
-    models = build_models(config, spec["reference_dir"], spec["reward_dir"], tokenizer)
-    positions = getattr(models.policy.config, "n_positions", None) or models.policy.config.max_position_embeddings
-    prompts = load_prompts(spec["prompts_file"], tokenizer, positions - section.generation.max_new_tokens)
+    models = build_ppo_models(config, runtime, int(spec["seed"]), spec["reference_dir"], spec["reward_dir"], tokenizer)
+    prompts = tokenize_prompts(read_prompts(spec["prompts_file"]), spec["prompts_file"], tokenizer,
+                               max_positions(models.policy) - config.generation.max_new_tokens)
     writer = MetricsWriter(Path(job.workdir) / "metrics.jsonl") if rank == 0 else None
-    train_ppo(models, prompts, section, int(spec["n_updates"]), checkpoint_dir=spec["checkpoint_dir"],
+    train_ppo(models, prompts, config, int(spec["n_updates"]), checkpoint_dir=spec["checkpoint_dir"],
               checkpoint_every=int(spec["checkpoint_every"]),
               on_step=(lambda stats: writer(stats.step, stats.to_metrics())) if writer is not None else None,
-              init_from=spec["init_from"], make_strategy=DeepSpeedFactory(deepspeed_config, section.micro_batch_size))
+              init_from=spec["init_from"], make_strategy=DeepSpeedFactory(deepspeed_config, config.micro_batch_size))
 
 
 if __name__ == "__main__":

@@ -10,18 +10,23 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rlhf_core.data import DataError, DType, SourceFile, SourceRow, TableSchema
+from rlhf_core.data import PREFERENCE_PAIRS, DataError, DType, SourceFile, SourceRow, TableSchema
+
+if TYPE_CHECKING:
+    from rlhf_core.training.reward_training import PreferencePair
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -242,3 +247,35 @@ def atomic_write_dir(path: str | Path, write: Callable[[Path], object]) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+# --------------------------------------------------------------------------------------------- stage tables
+
+
+def read_pairs(path: str | Path) -> list[PreferencePair]:
+    """The rows of a PREFERENCE_PAIRS Parquet table as PreferencePair (a null or NaN margin becomes None)."""
+    from rlhf_core.training.reward_training import PreferencePair  # torch: only the stages that train need it
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"preference table {path} does not exist; run the data-prep stage first")
+    rows = read_parquet(path, PREFERENCE_PAIRS)
+    if not rows:
+        raise ValueError(f"preference table {path} has no rows; the reward model needs (prompt, chosen, rejected) "
+                         "pairs: check the data-prep counts (quarantine, split fractions) or add data")
+    return [PreferencePair(str(r["prompt"]), str(r["chosen"]), str(r["rejected"]), _margin(r["margin"]))
+            for r in rows]
+
+
+def _margin(value: object) -> float | None:
+    return None if value is None or math.isnan(float(value)) else float(value)
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """The ``prompt`` column of a Parquet table (its first ``limit`` rows); names the file when it has none."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompt table {path} does not exist; run data-prep first")
+    columns = pq.read_schema(str(path)).names
+    if "prompt" not in columns:
+        raise ValueError(f"{path} has columns {columns} but no 'prompt' column")
+    prompts = [str(p) for p in pq.read_table(str(path), columns=["prompt"]).column("prompt").to_pylist()]
+    return prompts if limit is None else prompts[:limit]

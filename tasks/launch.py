@@ -2,7 +2,7 @@
 
 The reward-model and ppo-iteration stages call :func:`fit_reward_model` / :func:`run_ppo_training` where they
 used to call ``train_reward_model`` / ``train_ppo``. Without ``distributed.deepspeed_config`` these are those
-calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the resolved config as data), starts
+calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the stage's settings as data), starts
 ``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun
 or the deepspeed launcher, feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow
 callback while they run, and loads the trained weights back into the stage's models: everything after the
@@ -25,12 +25,13 @@ from typing import Any, Literal
 from safetensors.torch import load_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
 from rlhf_core.training.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
-from tasks.config import DistributedSection, PipelineConfig
+from tasks.config import DistributedSection
+from tasks.runtime import Runtime
 from tasks.typed_yaml import config_to_dict
 
 log = logging.getLogger(__name__)
@@ -43,22 +44,22 @@ OnLog = Callable[[int, dict[str, float]], None]
 
 @dataclass(frozen=True)
 class DistributedJob:
-    """What the workers of one stage's training need; written as JSON next to its input files."""
+    """What the workers of one stage's training need; written as JSON next to its input files. The stage's own
+    settings travel as data (serialised once, rebuilt strictly in the worker), never as a second config file."""
 
     stage: Literal["reward-model", "ppo"]
     workdir: str
     """Folder of the job: inputs, ``metrics.jsonl`` (rank 0, one line per step) and outputs."""
-    config: dict[str, Any]
-    """The run's resolved PipelineConfig as plain data (``config_to_dict``; the workers rebuild it with
-    ``tasks.config.config_from_dict``): device, dtype, seeds, PPO settings."""
     deepspeed_config: str
     """Absolute path of the DeepSpeed JSON."""
+    runtime: dict[str, Any]
+    """The stage's :class:`tasks.runtime.Runtime` as data."""
     reward: dict[str, Any] | None = None
     """reward-model: ``model_dir`` (initial weights + tokenizer), ``pairs_file``, ``training`` (a
     RewardTrainingConfig as data), ``eval_every``; the workers write ``trained.safetensors``, ``history.json``."""
     ppo: dict[str, Any] | None = None
-    """ppo: ``reference_dir``, ``reward_dir``, ``prompts_file``, ``n_updates``, ``checkpoint_dir``,
-    ``checkpoint_every``, ``init_from``; the workers leave their final checkpoint in ``checkpoint_dir``."""
+    """ppo: ``config`` (the PPO section as data), ``seed``, ``reference_dir``, ``reward_dir``, ``prompts_file``,
+    ``n_updates``, ``checkpoint_dir``, ``init_from``; the workers leave their final checkpoint in ``checkpoint_dir``."""
 
     def write(self) -> Path:
         """``<workdir>/job.json``."""
@@ -75,48 +76,48 @@ class DistributedJob:
 # --------------------------------------------------------------------------------------------- stage side
 
 
-def fit_reward_model(config: PipelineConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                     train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig,
-                     on_log: OnLog, eval_every: int, workdir: str | os.PathLike[str],
-                     stage: str = "reward-model") -> RewardTrainingResult:
-    """``train_reward_model`` here, or on DeepSpeed workers (then ``model`` gets their trained weights)."""
-    if not config.distributed.runs(stage):
+def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime, model: PreTrainedModel,
+                     tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
+                     evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig, on_log: OnLog, eval_every: int,
+                     workdir: str | os.PathLike[str]) -> RewardTrainingResult:
+    """``train_reward_model`` here (``distributed`` None), or on DeepSpeed workers (then ``model`` gets their
+    trained weights)."""
+    if distributed is None:
         return train_reward_model(model, tokenizer, train, evaluate_on, cfg, on_log=on_log, eval_every=eval_every)
     folder = _fresh(workdir)
     model.save_pretrained(folder / "initial")
     tokenizer.save_pretrained(folder / "initial")
     pairs = {"train": [asdict(p) for p in train], "eval": [asdict(p) for p in evaluate_on]}
     (folder / "pairs.json").write_text(json.dumps(pairs), encoding="utf-8")
-    job = _job(config, folder, "reward-model", reward={
+    job = _job(distributed, runtime, folder, "reward-model", reward={
         "model_dir": str(folder / "initial"), "pairs_file": str(folder / "pairs.json"),
         "training": config_to_dict(cfg), "eval_every": eval_every})
-    launch(config.distributed, job, on_log)
+    launch(distributed, job, on_log)
     load_model(model, str(folder / "trained.safetensors"))
     return reward_history_from_json(json.loads((folder / "history.json").read_text(encoding="utf-8")))
 
 
-def run_ppo_training(config: PipelineConfig, models: PPOModels, prompts: Sequence[Sequence[int]], n_updates: int,
-                     checkpoint_dir: Path, checkpoint_every: int, on_log: OnLog, init_from: str | None,
-                     inputs: dict[str, str], workdir: str | os.PathLike[str]) -> PPORunResult:
-    """``train_ppo`` here, or on DeepSpeed workers (then ``models`` get the weights of their final checkpoint).
-
-    ``inputs``: ``reference_dir``, ``reward_dir`` (local model folders) and ``prompts_file`` (the Parquet
-    table), from which each worker builds the same models and prompts as the stage did.
-    """
-    section = config.ppo
-    if not config.distributed.runs("ppo-iteration"):
-        return train_ppo(models, prompts, section, n_updates, checkpoint_dir=checkpoint_dir,
-                         checkpoint_every=checkpoint_every, on_step=lambda s: on_log(s.step, s.to_metrics()),
-                         init_from=init_from)
+def run_ppo_training(config: PPOConfig, runtime: Runtime, seed: int, distributed: DistributedSection | None,
+                     models: PPOModels, prompts: Sequence[Sequence[int]], n_updates: int, checkpoint_dir: Path,
+                     on_log: OnLog, init_from: str | None, inputs: dict[str, str],
+                     workdir: str | os.PathLike[str], checkpoint_every: int = 0) -> PPORunResult:
+    """``train_ppo`` here (``distributed`` None), or on DeepSpeed workers (then ``models`` get the weights of their
+    final checkpoint). ``inputs``: ``reference_dir``, ``reward_dir`` (local model folders) and ``prompts_file``,
+    from which each worker builds the same models and prompts as the stage did."""
+    if distributed is None:
+        return train_ppo(models, prompts, config, n_updates, checkpoint_dir=checkpoint_dir,
+                         checkpoint_every=checkpoint_every,
+                         on_step=lambda s: on_log(s.step, s.to_metrics()), init_from=init_from)
     folder = _fresh(workdir)
-    job = _job(config, folder, "ppo", ppo={
-        **inputs, "n_updates": n_updates, "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
-        "checkpoint_every": checkpoint_every, "init_from": init_from})
-    launch(config.distributed, job, on_log)
+    job = _job(distributed, runtime, folder, "ppo", ppo={
+        **inputs, "config": config_to_dict(config), "seed": seed, "n_updates": n_updates,
+        "checkpoint_dir": str(Path(checkpoint_dir).resolve()), "checkpoint_every": checkpoint_every,
+        "init_from": init_from})
+    launch(distributed, job, on_log)
     final = latest_checkpoint(checkpoint_dir)
     if final is None:
         raise RuntimeError(f"the PPO workers finished without a checkpoint in {checkpoint_dir}; see their log above")
-    state = load_checkpoint_weights(models, section, final)
+    state = load_checkpoint_weights(models, config, final)
     return PPORunResult(history=list(state["history"]))
 
 
@@ -127,12 +128,13 @@ def _fresh(workdir: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def _job(config: PipelineConfig, folder: Path, stage: Literal["reward-model", "ppo"], **inputs: Any) -> DistributedJob:
-    ds_config = Path(config.distributed.deepspeed_config).resolve()
+def _job(distributed: DistributedSection, runtime: Runtime, folder: Path, stage: Literal["reward-model", "ppo"],
+         **inputs: Any) -> DistributedJob:
+    ds_config = Path(distributed.deepspeed_config).resolve()
     if not ds_config.is_file():
-        raise FileNotFoundError(f"distributed.deepspeed_config {config.distributed.deepspeed_config!r} does not exist "
+        raise FileNotFoundError(f"distributed.deepspeed_config {distributed.deepspeed_config!r} does not exist "
                                 f"(looked in {ds_config}); see infra/deepspeed/")
-    return DistributedJob(stage, str(folder), config_to_dict(config), str(ds_config), **inputs)
+    return DistributedJob(stage, str(folder), str(ds_config), config_to_dict(runtime), **inputs)
 
 
 # --------------------------------------------------------------------------------------------- launching

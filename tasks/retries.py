@@ -1,8 +1,10 @@
-"""When a stage is retried: only for failures that may pass (network, busy storage, a locked registry)."""
+"""When a stage is retried: only for failures that may pass (network, busy storage, a busy tracking store)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from tasks.tracking import is_transient_error
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -10,9 +12,15 @@ if TYPE_CHECKING:
     from prefect.states import State
 
 
-def retry_on_transient_io(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Prefect retry condition: retry OSErrors that may pass (network, busy storage), never DataError
-    or bugs, which fail the same way every time."""
-    error = state.result(raise_on_failure=False)
+def is_transient(error: BaseException | None) -> bool:
+    """OSErrors that may pass (network, busy storage) and transient tracking-store errors; never missing files,
+    DataError, configuration errors or bugs, which fail the same way every time."""
     permanent = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-    return isinstance(error, OSError) and not isinstance(error, permanent)
+    if isinstance(error, OSError):
+        return not isinstance(error, permanent)
+    return error is not None and is_transient_error(error)
+
+
+def retry_on_transient_io(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect retry condition of every stage task (see :func:`is_transient`)."""
+    return is_transient(state.result(raise_on_failure=False))

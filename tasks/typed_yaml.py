@@ -256,11 +256,16 @@ def config_to_dict(cfg: Any) -> Any:
     return _plain(cfg)
 
 
+def dump_config_text(cfg: Any) -> str:
+    """The full config as YAML text; ``load_config`` of it gives back an equal config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
 def dump_config(cfg: Any, path: str | Path) -> str:
-    """Write the full config as YAML; ``load_config(path)`` gives back an equal config. Returns the path."""
+    """Write the full config as YAML (see :func:`dump_config_text`). Returns the path."""
     from tasks.io import atomic_write  # deferred: tasks.io pulls in pyarrow, which loading a config never needs
 
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    text = dump_config_text(cfg)
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 

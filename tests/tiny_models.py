@@ -51,3 +51,29 @@ def save_ppo_inputs(root: Path, prompts: Sequence[str]) -> dict[str, str]:
         tokenizer.save_pretrained(root / name)
     pq.write_table(pa.table({"prompt": list(prompts)}), root / "prompts.parquet")
     return {"sft": str(root / "sft"), "rm": str(root / "rm"), "prompts": str(root / "prompts.parquet")}
+
+
+def save_model_dir(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: Path) -> str:
+    """``save_pretrained`` model and tokenizer into ``path``; returns it as a string."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def good_token_reward_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> GPT2ForSequenceClassification:
+    """Scores the LAST token only: cosine of LN(wte[last]) with LN(wte['good']), so 1.0 for 'good', < 1 else.
+
+    Blocks add nothing (zero output projections) and positions are zero, so the last hidden state is
+    LN(wte[last token]) and the linear head reads it.
+    """
+    torch.manual_seed(seed)
+    model = GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1))
+    with torch.no_grad():
+        for block in model.transformer.h:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+        model.transformer.wpe.weight.zero_()
+        good = model.transformer.ln_f(model.transformer.wte.weight[tokenizer.convert_tokens_to_ids("good")])
+        model.score.weight.copy_((good / good.norm() ** 2).unsqueeze(0))
+    return model

@@ -1,6 +1,6 @@
 """Held-out evaluation of a policy against its reference: replies, per-sequence KL, and the comparison metrics.
 
-Pure torch/transformers helpers for the heldout-eval stage (``tasks/evaluate.py``). No gold here: judges are
+Pure torch/transformers helpers for the heldout-eval stage (``tasks/heldout_eval.py``). No gold here: judges are
 passed in as :class:`~rlhf_core.models.scoring.Scorer` objects, and text-only judges (the demo's gold scorer) are
 added by the caller with :func:`with_scores`.
 

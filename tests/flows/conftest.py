@@ -8,8 +8,8 @@ import pytest
 from prefect.testing.utilities import prefect_test_harness
 
 from tasks.config import load_config
-from tasks.state import RunRecord, StateDir
-from tasks.typed_yaml import dump_config
+from tasks.run_store import RunRecord, RunStore
+from tasks.typed_yaml import dump_config_text
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,11 +18,8 @@ def prefect_harness():
         yield
 
 
-def new_tiny_run(state_dir: Path, *overrides: str) -> tuple[StateDir, RunRecord]:
-    """A run record with the tiny preset's config recorded in its folder (what `rlhf run` does)."""
+def new_tiny_run(state_dir: Path, *overrides: str) -> tuple[RunStore, RunRecord]:
+    """A run with the tiny preset's config recorded in its folder (what `rlhf run` does before the flow)."""
     config = load_config(None, "tiny", [f"state_dir={state_dir}", *overrides])
-    state = StateDir(config.state_dir).ensure()
-    record = state.new_run(config.name)
-    record.config_path = dump_config(config, state.run_dir(record.run_id) / "config.yaml")
-    state.save_run(record)
-    return state, record
+    store = RunStore(config.state_dir).ensure()
+    return store, store.create_run(config.name, dump_config_text(config))

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import yaml
 
 from flows.deployments import pipeline_deployment
+from flows.pipeline import rlhf_pipeline
 from tasks.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_deployment_has_the_schedule_and_the_config():
-    deployment = pipeline_deployment("infra/presets/demo.yaml", cron="0 3 * * *")
-    assert deployment.parameters == {"config_path": "infra/presets/demo.yaml"}
+def test_deployment_has_the_schedule_the_config_layers_and_one_run_at_a_time():
+    deployment = pipeline_deployment("tiny", overrides=["ppo.kl.coef=0.1"], cron="0 3 * * *")
+    assert deployment.parameters == {"preset": "tiny", "config_file": None, "overrides": ["ppo.kl.coef=0.1"],
+                                     "state_dir": ".rlhf_state"}
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == "0 3 * * *"
+    assert deployment.concurrency_limit == 1
     assert deployment.entrypoint.endswith("flows/pipeline.py:rlhf_pipeline") or deployment.flow_name == "rlhf-pipeline"
 
 
@@ -25,7 +29,10 @@ def test_prefect_yaml_entrypoint_and_config_exist():
     (deployment,) = spec["deployments"]
     module, function = deployment["entrypoint"].split(":")
     assert f"def {function}(" in (ROOT / module).read_text()
-    load_config(str(ROOT / deployment["parameters"]["config_path"]))
+    parameters = deployment["parameters"]
+    config_file = parameters["config_file"] and str(ROOT / parameters["config_file"])
+    load_config(config_file, parameters["preset"], parameters["overrides"])  # resolved as `rlhf run` resolves it
+    assert set(parameters) <= set(inspect.signature(rlhf_pipeline.fn).parameters)
     assert deployment["schedules"][0]["cron"] == "0 3 * * *"
 
 

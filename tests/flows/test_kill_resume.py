@@ -33,10 +33,11 @@ def summary_of(state: Path) -> dict:
 
 
 def wait_for_mid_iteration_checkpoint(state: Path, process: subprocess.Popen, timeout: float = 600) -> str:
-    """Block until iteration 2 has written a checkpoint before its last step; returns its name."""
+    """Block until iteration 2 has written a checkpoint before its last step (in its key's work folder: iteration
+    1's is cleared when it is published); returns its name."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for latest in state.glob("runs/*/ppo/iter_002/checkpoints/latest"):
+        for latest in state.glob("work/ppo-iteration/*/checkpoints/latest"):
             name = latest.read_text().strip()
             if name in ("step_000005", "step_000006"):
                 return name
@@ -63,13 +64,37 @@ def test_kill_9_during_ppo_then_resume_matches_the_uninterrupted_run(tmp_path: P
         os.killpg(process.pid, signal.SIGKILL)  # the run and its temporary Prefect server
         process.wait()
     assert not list(killed.glob("runs/*/summary.json"))
+    # Killed without a word: `rlhf runs` finds its lock free and marks it crashed, here and in Prefect.
+    listing = subprocess.run(rlhf("runs", "--state-dir", str(killed)), env=env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+    assert listing.returncode == 0 and " crashed " in listing.stdout, listing.stdout + listing.stderr[-2000:]
+    (record,) = [json.loads(p.read_text()) for p in killed.glob("runs/*/run.json")]
+    assert record["status"] == "crashed" and record["prefect_flow_run_id"]
+    read_state = ("import sys\nfrom prefect.client.orchestration import get_client\n"
+                  "with get_client(sync_client=True) as c:\n    print(c.read_flow_run(sys.argv[1]).state.type.value)")
+    prefect_state = subprocess.run([sys.executable, "-c", read_state, record["prefect_flow_run_id"]],
+                                   env={**env, "PREFECT_HOME": str(killed / "prefect")}, cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=600)
+    assert prefect_state.stdout.strip() == "CRASHED", prefect_state.stderr[-2000:]
 
     resumed = subprocess.run(rlhf("resume", "latest", "--state-dir", str(killed)), env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(next(killed.glob("runs/*/run.json")).read_text())["status"] == "completed"
     # It continued inside iteration 2 from the checkpoint seen before the kill (or one written just after it).
-    match = re.search(r"resumed PPO from \S*iter_002/checkpoints/(step_\d+)", resumed.stderr)
+    match = re.search(r"resumed PPO from \S*work/ppo-iteration/\w+/checkpoints/(step_\d+)", resumed.stderr)
     assert match and checkpoint <= match.group(1) < "step_000008", resumed.stderr[-3000:]
     expected, actual = summary_of(straight), summary_of(killed)
     assert actual["policies"] == expected["policies"]
     assert [i["eval/gold/mean"] for i in actual["iterations"]] == [i["eval/gold/mean"] for i in expected["iterations"]]
+    # The same artifacts by key, bit for bit: the resumed iteration's weights, optimizer state and samples are
+    # identical (its JSON records hold wall-clock timings, which differ).
+    assert {k: v["artifact"] for k, v in actual["artifacts"].items()} == \
+        {k: v["artifact"] for k, v in expected["artifacts"].items()}
+    for label in ("ppo-iteration-2",):
+        key = actual["artifacts"][label]["artifact"]
+        straight_files = json.loads((straight / "artifacts" / key / "record.json").read_text())["files"]
+        killed_files = json.loads((killed / "artifacts" / key / "record.json").read_text())["files"]
+        def weights(files: dict) -> dict[str, str]:
+            return {f: m["sha256"] for f, m in files.items() if f.endswith((".safetensors", ".parquet"))}
+        assert len(weights(straight_files)) >= 5 and weights(straight_files) == weights(killed_files)

@@ -269,29 +269,38 @@ def test_prep_flags_give_the_same_error_as_the_equivalent_override(
     assert prep_error(capsys, *flags, "--out", str(tmp_path)) == one_line(expected)
 
 
+def _capture_prepare(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Replace the data-prep stage's work with a recorder of what `rlhf prep` gave it."""
+    from tasks import data_prep
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(data_prep, "prepare", lambda cfg, out, tokenizer=None: calls.append((cfg, out, tokenizer)))
+    monkeypatch.setattr(data_prep, "summary", lambda result, folder: "ok")
+    return calls
+
+
 def test_prep_demo_runs_the_data_stage_with_the_loaded_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    calls = []
-    monkeypatch.setattr("tasks.demo_data.run_demo_data_prep", lambda *args: calls.append(args) or _Printable())
+    from tasks import data_prep
+
+    calls = _capture_prepare(monkeypatch)
     argv = ["--demo", "--seed", "3", "--pairs", "150", "--eval-prompts", "9", "--max-length", "300",
             "--set", "data.demo.annotator_temperature=0.5", "--out", str(tmp_path)]
     assert main(["prep", *argv]) == 0
     cfg = load_config(None, None, ["data.source=demo", "seed=3", "data.demo.n_pairs=150", "data.demo.n_eval_prompts=9",
                                    "data.prep.max_length=300", "data.demo.annotator_temperature=0.5"])
-    assert calls == [(str(tmp_path), cfg.data.demo, cfg.data.prep, 3)]
+    assert calls == [(data_prep.Config.of(cfg), tmp_path, None)]
 
 
 def test_prep_files_runs_the_data_stage_with_the_loaded_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    calls = []
-    monkeypatch.setattr("tasks.data_prep.run_data_prep", lambda *args: calls.append(args) or _Printable())
+    calls = _capture_prepare(monkeypatch)
     assert main(["prep", "a b.jsonl", "c.csv", "--prompts", "p: q.csv", "--format", "trl", "--out", str(tmp_path),
                  "--set", "data.prep.heldout_fraction=0.2", "--set", "data.prep.ppo_fraction=0"]) == 0
-    (files, out, prep, prompts_file, tokenizer), = calls
-    assert (files, out, prompts_file, tokenizer) == (["a b.jsonl", "c.csv"], str(tmp_path), "p: q.csv", None)
-    assert prep == DataPrepConfig(input_format=InputFormat.TRL, heldout_fraction=0.2, ppo_fraction=0.0)
+    ((cfg, out, tokenizer),) = calls
+    assert (cfg.source, cfg.files, cfg.prompts_file, out, tokenizer) == (
+        "files", ("a b.jsonl", "c.csv"), "p: q.csv", tmp_path, None)
+    assert cfg.prep == DataPrepConfig(input_format=InputFormat.TRL, heldout_fraction=0.2, ppo_fraction=0.0)
+    assert cfg.demo is None and cfg.seed is None  # user files: no demo sizes, no seed in data-prep's key
 
 
-class _Printable:
-    def summary(self) -> str:
-        return "ok"

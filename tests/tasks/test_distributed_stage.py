@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
+from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, latest_checkpoint
 from rlhf_core.training.ppo_loop import train_ppo
-from tasks.config import ConfigError, DistributedSection, config_from_dict, load_config
-from tasks.launch import (DistributedJob, _job, _MetricsFollower, fit_reward_model, launch_command,
-                          run_ppo_training)
-from tasks.ppo import build_models, load_prompts
+from tasks import launch as launch_module
+from tasks import ppo_iteration, reward_model
+from tasks.config import ConfigError, DistributedSection, PipelineConfig, load_config
+from tasks.distributed_train import job_settings
+from tasks.io import read_prompts
+from tasks.launch import DistributedJob, _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
+from tasks.models import build_ppo_models, max_positions, tokenize_prompts
+from tasks.runtime import Runtime
 from tests.distributed.zero_cases import preference_pairs
 from tests.tiny_models import gpt2_config, save_ppo_inputs, word_tokenizer
 
@@ -34,16 +40,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def pipeline_config(*overrides: str):
+def pipeline_config(*overrides: str) -> PipelineConfig:
     return load_config(preset="tiny", overrides=[
         "device=cpu", "ppo.micro_batch_size=2", "distributed.deepspeed_config=infra/deepspeed/zero2.json",
         "distributed.num_processes=2", f"distributed.master_port={_free_port()}", *overrides])
 
 
+class _Launched(Exception):
+    """Raised by the stand-in launcher: the job is written, no worker starts."""
+
+
+@pytest.fixture
+def written_jobs(monkeypatch: pytest.MonkeyPatch) -> list[DistributedJob]:
+    """Jobs the stage side writes; ``launch`` writes the job file and stops instead of starting workers."""
+    jobs: list[DistributedJob] = []
+
+    def write_only(section: DistributedSection, job: DistributedJob, on_log: object) -> None:
+        job.write()
+        jobs.append(job)
+        raise _Launched
+
+    monkeypatch.setattr(launch_module, "launch", write_only)
+    return jobs
+
+
 # --------------------------------------------------------------------------------------------- fast
 
 
-def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path):
+def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path: Path) -> None:
     section = DistributedSection(deepspeed_config="x.json", num_processes=4, num_nodes=2, master_addr="10.0.0.1",
                                  master_port=29600)
     command = launch_command(section, tmp_path / "job.json", node_rank=1)
@@ -53,7 +77,7 @@ def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path):
     assert command[-4:] == ["-m", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
 
 
-def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path):
+def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path: Path) -> None:
     section = DistributedSection(deepspeed_config="x.json", launcher="deepspeed", num_nodes=2, hostfile="hosts")
     command = launch_command(section, tmp_path / "job.json")
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
@@ -67,30 +91,66 @@ def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path):
     ("distributed.hostfile=hosts", "launcher='deepspeed'"),
     ("distributed.stages=[sft]", "choose one of"),
 ])
-def test_bad_distributed_settings_name_the_fix(override, message):
+def test_bad_distributed_settings_name_the_fix(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(preset="tiny", overrides=[override])
 
 
-def test_in_process_by_default():
+def test_in_process_by_default() -> None:
     config = load_config(preset="tiny")
     assert not config.distributed.runs("reward-model") and not config.distributed.runs("ppo-iteration")
-    assert pipeline_config().distributed.runs("ppo-iteration")
-    assert not pipeline_config("distributed.stages=[reward-model]").distributed.runs("ppo-iteration")
+    assert reward_model.Config.of(config).distributed is None and ppo_iteration.Config.of(config, 1).distributed is None
+    launched = pipeline_config()
+    assert launched.distributed.runs("ppo-iteration")
+    assert ppo_iteration.Config.of(launched, 1).distributed == launched.distributed
+    only_rm = pipeline_config("distributed.stages=[reward-model]")
+    assert not only_rm.distributed.runs("ppo-iteration") and ppo_iteration.Config.of(only_rm, 1).distributed is None
+    assert reward_model.Config.of(only_rm).distributed == only_rm.distributed
 
 
-def test_job_file_carries_the_config_as_json_and_the_worker_rebuilds_it(tmp_path):
-    config = pipeline_config("ppo.kl.coef=0.125", "sft.model_size={n_layer: 1, n_embd: 8, n_head: 2, n_positions: 128}")
-    job = DistributedJob.read(_job(config, tmp_path, "ppo", ppo={"n_updates": 2}).write())
-    assert json.loads((tmp_path / "job.json").read_text())["config"]["ppo"]["kl"]["coef"] == 0.125
-    assert "total_updates" not in job.config["ppo"]  # derived: the worker computes it again
-    assert config_from_dict(job.config) == config and not list(tmp_path.glob("*.yaml"))
-    job.config["ppo"]["kl"]["coeff"] = 0.1
-    with pytest.raises(ConfigError, match="'ppo.kl.coeff' \\(from job.json\\)"):
-        config_from_dict(job.config, "job.json")
+def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them(
+        tmp_path: Path, written_jobs: list[DistributedJob]) -> None:
+    cfg = ppo_iteration.Config.of(pipeline_config("ppo.kl.coef=0.125"), 1)
+    inputs = {"reference_dir": "sft", "reward_dir": "rm", "prompts_file": "prompts.parquet"}
+    with pytest.raises(_Launched):  # no models: the stage side builds the job before it needs them
+        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, None, [], 2,  # type: ignore[arg-type]
+                         tmp_path / "checkpoints", lambda step, metrics: None, None, inputs, tmp_path / "job",
+                         checkpoint_every=1)
+    written = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert written["stage"] == "ppo" and written["ppo"]["config"]["kl"]["coef"] == 0.125
+    assert written["ppo"]["config"]["total_updates"] == cfg.ppo.total_updates  # the slice's, not re-derived
+    assert {k: written["ppo"][k] for k in ("seed", "n_updates", "checkpoint_every", "init_from", *inputs)} == {
+        "seed": 7, "n_updates": 2, "checkpoint_every": 1, "init_from": None, **inputs}
+    assert written["deepspeed_config"] == str(Path("infra/deepspeed/zero2.json").resolve())
+    assert not list((tmp_path / "job").glob("*.yaml"))  # the settings travel in the job, not as a second file
+    job = DistributedJob.read(tmp_path / "job" / "job.json")
+    assert job == written_jobs[0]
+    assert job_settings(PPOConfig, job.ppo["config"], "ppo", job) == cfg.ppo
+    assert job_settings(Runtime, job.runtime, "runtime", job) == cfg.runtime == Runtime("cpu", "float32")
+    job.ppo["config"]["kl"]["coeff"] = 0.1
+    with pytest.raises(ConfigError, match=r"'ppo\.kl\.coeff' \(from .*/job/job\.json\)"):
+        job_settings(PPOConfig, job.ppo["config"], "ppo", job)
 
 
-def test_metrics_follower_passes_only_complete_lines(tmp_path):
+def test_reward_job_carries_the_training_settings_and_the_pairs(tmp_path: Path,
+                                                                written_jobs: list[DistributedJob]) -> None:
+    config = pipeline_config("reward_model.training.learning_rate=0.02")
+    cfg = reward_model.Config.of(config)
+    train, evaluate_on = preference_pairs(6, 0), preference_pairs(2, 1)
+    with pytest.raises(_Launched):
+        fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train(), word_tokenizer(), train, evaluate_on,
+                         cfg.reward_model.training, lambda step, metrics: None, 3, tmp_path / "rm")
+    (job,) = written_jobs
+    assert job.stage == "reward-model" and job.reward["eval_every"] == 3
+    assert job_settings(RewardTrainingConfig, job.reward["training"], "reward_model.training", job) == \
+        cfg.reward_model.training
+    pairs = json.loads(Path(job.reward["pairs_file"]).read_text())
+    assert (len(pairs["train"]), len(pairs["eval"])) == (6, 2) and pairs["train"][0]["chosen"] == train[0].chosen
+    assert (Path(job.reward["model_dir"]) / "config.json").is_file()  # the initial weights, with the tokenizer
+    assert (Path(job.reward["model_dir"]) / "tokenizer.json").is_file()
+
+
+def test_metrics_follower_passes_only_complete_lines(tmp_path: Path) -> None:
     path, seen = tmp_path / "metrics.jsonl", []
     follower = _MetricsFollower(path, lambda step, metrics: seen.append((step, metrics)))
     follower.poll()  # no file yet
@@ -106,28 +166,29 @@ def test_metrics_follower_passes_only_complete_lines(tmp_path):
 # --------------------------------------------------------------------------------------------- launched
 
 
-def reward_model() -> GPT2ForSequenceClassification:
+def reward_model_to_train() -> GPT2ForSequenceClassification:
     torch.manual_seed(3)
     return GPT2ForSequenceClassification(gpt2_config(len(word_tokenizer()), num_labels=1))
 
 
 @pytest.mark.slow
-def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_path):
-    config = pipeline_config()
-    cfg = config.reward_model.training
+def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_path: Path) -> None:
+    cfg = reward_model.Config.of(pipeline_config())
+    training = cfg.reward_model.training
     train, evaluate_on = preference_pairs(40, 0), preference_pairs(8, 1)
     local_log, launched_log = [], []
-    local = fit_reward_model(load_config(preset="tiny"), (one := reward_model()), word_tokenizer(), train, evaluate_on,
-                             cfg, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
-    launched = fit_reward_model(config, (two := reward_model()), word_tokenizer(), train, evaluate_on, cfg,
-                                lambda s, m: launched_log.append((s, m)), 2, tmp_path / "rm")
+    local = fit_reward_model(None, cfg.runtime, (one := reward_model_to_train()), word_tokenizer(), train,
+                             evaluate_on, training, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
+    launched = fit_reward_model(cfg.distributed, cfg.runtime, (two := reward_model_to_train()), word_tokenizer(),
+                                train, evaluate_on, training, lambda s, m: launched_log.append((s, m)), 2,
+                                tmp_path / "rm")
 
     assert (tmp_path / "rm" / "job.json").is_file() and not (tmp_path / "unused").exists()
     assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
     assert launched.final_eval.accuracy == pytest.approx(local.final_eval.accuracy)
     assert [s for s, _ in launched_log] == [s for s, _ in local_log]  # rank 0's metrics reached the stage
     assert launched_log[-1][1]["rm/eval/loss"] == pytest.approx(local_log[-1][1]["rm/eval/loss"], abs=1e-5)
-    start, trained = reward_model().state_dict(), two.state_dict()
+    start, trained = reward_model_to_train().state_dict(), two.state_dict()
     moved = sum(float(((one.state_dict()[k] - start[k]) ** 2).sum()) for k in start) ** 0.5
     apart = sum(float(((one.state_dict()[k] - trained[k]) ** 2).sum()) for k in start) ** 0.5
     # The stage's model holds the workers' weights (not its untrained start: that would be apart == moved). Adam
@@ -139,28 +200,35 @@ def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_pa
 
 
 @pytest.mark.slow
-def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path):
+def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path: Path) -> None:
     tokenizer = word_tokenizer()
     saved = save_ppo_inputs(tmp_path, PROMPTS)
-    config = pipeline_config()
+    cfg = ppo_iteration.Config.of(pipeline_config(), 1)
     inputs = {"reference_dir": saved["sft"], "reward_dir": saved["rm"], "prompts_file": saved["prompts"]}
-    models = build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer)
-    prompts = load_prompts(inputs["prompts_file"], tokenizer, 64 - 16)
+
+    def models_and_prompts():
+        models = build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, inputs["reference_dir"], inputs["reward_dir"],
+                                  tokenizer)
+        prompts = tokenize_prompts(read_prompts(inputs["prompts_file"]), inputs["prompts_file"], tokenizer,
+                                   max_positions(models.policy) - cfg.ppo.generation.max_new_tokens)
+        return models, prompts
+
+    models, prompts = models_and_prompts()
     logged = []
-    result = run_ppo_training(config, models, prompts, 2, tmp_path / "checkpoints", 1,
-                              lambda step, metrics: logged.append(step), None, inputs, tmp_path / "distributed")
+    result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed, models, prompts, 2,
+                              tmp_path / "checkpoints", lambda step, metrics: logged.append(step), None, inputs,
+                              tmp_path / "distributed", checkpoint_every=1)
 
     final = latest_checkpoint(tmp_path / "checkpoints")
     assert final.name == "step_000002"
     assert (final / DEEPSPEED_DIR / "engine0").is_dir() and (final / DEEPSPEED_DIR / "engine1").is_dir()
     assert logged == [1, 2] and len(result.history) == 2
     assert result.history[0]["ppo/policy/ratio_mean"] == pytest.approx(1.0, abs=0.05)
-    saved = load_file(str(final / "policy.safetensors"))
+    weights = load_file(str(final / "policy.safetensors"))
     assert torch.equal(models.policy.state_dict()["transformer.h.0.mlp.c_fc.weight"],
-                       saved["transformer.h.0.mlp.c_fc.weight"])  # the stage's policy is the trained one
+                       weights["transformer.h.0.mlp.c_fc.weight"])  # the stage's policy is the trained one
     start = GPT2LMHeadModel.from_pretrained(tmp_path / "sft").state_dict()["transformer.h.0.mlp.c_fc.weight"]
-    assert not torch.equal(saved["transformer.h.0.mlp.c_fc.weight"], start)
+    assert not torch.equal(weights["transformer.h.0.mlp.c_fc.weight"], start)
     # Its optimizer state is DeepSpeed's shards: resuming it in one process fails with what to do.
     with pytest.raises(FileNotFoundError, match="same distributed settings"):
-        train_ppo(build_models(config, inputs["reference_dir"], inputs["reward_dir"], tokenizer), prompts,
-                  config.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")
+        train_ppo(models_and_prompts()[0], prompts, cfg.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")

@@ -3,21 +3,22 @@ continues from them, and a registered policy that is a plain Hugging Face model 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import json
 
+from collections.abc import Iterator
+
+import pyarrow.parquet as pq
 import pytest
 import torch
+from mlflow import MlflowClient
 from safetensors.torch import load_file, load_model
 from transformers import GPT2LMHeadModel
 
 from rlhf_core.models.lora import lora_policy
 from rlhf_core.training.checkpoint import trainable_view
-from tasks import tracking
+from tasks import ppo_iteration
 from tasks.config import load_config
-from tasks.ppo import run_ppo_iteration
-from tasks.state import StateDir
-from tests.stage_tracking import module_tracking
+from tests.stage_harness import StageHarness
 from tests.tiny_models import save_ppo_inputs
 
 PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box", "the moon sat on a mat",
@@ -25,43 +26,55 @@ PROMPTS = ["hello the cat", "why the dog ran", "how big is the sun", "q red box"
 
 
 @pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    with module_tracking(tmp_path_factory.mktemp("ppo-lora-tracking")) as state:
-        yield state
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StageHarness]:
+    harness = StageHarness(tmp_path_factory.mktemp("ppo-lora") / "state")
+    yield harness
+    harness.close()
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return save_ppo_inputs(tmp_path_factory.mktemp("ppo-lora-inputs"), PROMPTS)
-
-
-def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(state: StateDir, inputs: dict[str, str],
-                                                                       tmp_path: Path) -> None:
+def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(
+        harness: StageHarness, tmp_path_factory: pytest.TempPathFactory) -> None:
+    saved = save_ppo_inputs(tmp_path_factory.mktemp("ppo-lora-inputs"), PROMPTS)
     config = load_config(preset="tiny", overrides=[
         "device=cpu", "ppo.lora.enabled=true", "ppo.lora.rank=4", "ppo.value_model=critic",
-        "ppo.learning_rate=1e-2", "ppo.generation.max_new_tokens=6",
-        "tracking.policy_model=rlhf-policy-lora-test"])
-    with tracking.pipeline_run(config.tracking.experiment, "ppo-lora-test") as parent:
-        pass
-    out = tmp_path / "ppo"
-    first = run_ppo_iteration(config, 1, inputs["sft"], inputs["rm"], inputs["prompts"], str(out),
-                              parent.info.run_id)
-    second = run_ppo_iteration(config, 2, inputs["sft"], inputs["rm"], inputs["prompts"], str(out),
-                               parent.info.run_id, init_checkpoint=first.checkpoint)
-    assert (first.steps_done, second.steps_done) == (2, 4)
+        "ppo.learning_rate=1e-2", "ppo.generation.max_new_tokens=6"])
+    data = harness.artifact("data-prep", {"ppo_prompts.parquet": saved["prompts"]},
+                            {"ppo_prompts": "ppo_prompts.parquet"})
+    reference, reward = harness.model("sft", saved["sft"]), harness.model("reward-model", saved["rm"])
+    first = harness.run(ppo_iteration, "ppo-iteration-1", ppo_iteration.Config.of(config, 1),
+                        ppo_iteration.Inputs(data, reference, reward))
+    second = harness.run(ppo_iteration, "ppo-iteration-2", ppo_iteration.Config.of(config, 2),
+                         ppo_iteration.Inputs(data, reference, reward, first))
+    results = [ppo_iteration.STAGE.result(art) for art in (first, second)]
+    histories = [json.loads(art.path(r.checkpoint).joinpath("state.json").read_text())["history"]
+                 for art, r in zip((first, second), results)]
+    assert [(r.iteration, r.steps_done, len(h)) for r, h in zip(results, histories)] == [(1, 2, 2), (2, 4, 4)]
+    assert histories[1][:2] == histories[0]  # one continuous run: iteration 2 carries 1's curve
+    assert second.record.inputs["previous"] == first.identity()
 
-    adapter = load_file(str(Path(second.checkpoint) / "policy.safetensors"))
+    checkpoint = second.path(results[1].checkpoint)
+    adapter = load_file(str(checkpoint / "policy.safetensors"))
     assert adapter and all("lora_" in key for key in adapter)  # the SFT base is not copied into checkpoints
-    value = load_file(str(Path(second.checkpoint) / "value.safetensors"))
+    value = load_file(str(checkpoint / "value.safetensors"))
     assert value and all("lora_" in key or key.startswith("head/") for key in value)
 
-    saved = GPT2LMHeadModel.from_pretrained(second.policy_dir)  # plain: from_pretrained loads it unchanged
-    assert not any("lora" in key for key in load_file(str(Path(second.policy_dir) / "model.safetensors")))
-    expected, _ = lora_policy(GPT2LMHeadModel.from_pretrained(inputs["sft"]), config.ppo.lora)
-    load_model(trainable_view(expected), str(Path(second.checkpoint) / "policy.safetensors"))
-    sft = GPT2LMHeadModel.from_pretrained(inputs["sft"])
+    policy_dir = ppo_iteration.model_input(second).path
+    plain = GPT2LMHeadModel.from_pretrained(policy_dir)  # plain: from_pretrained loads it unchanged
+    assert not any("lora" in key for key in load_file(str(second.path("policy") / "model.safetensors")))
+    expected, _ = lora_policy(GPT2LMHeadModel.from_pretrained(saved["sft"]), config.ppo.lora)
+    load_model(trainable_view(expected), str(checkpoint / "policy.safetensors"))
+    sft = GPT2LMHeadModel.from_pretrained(saved["sft"])
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         adapted = expected(input_ids=ids).logits
-        torch.testing.assert_close(saved(input_ids=ids).logits, adapted, rtol=0, atol=1e-5)
+        torch.testing.assert_close(plain(input_ids=ids).logits, adapted, rtol=0, atol=1e-5)
         assert not torch.allclose(sft(input_ids=ids).logits, adapted, atol=1e-4)  # the adapter learned something
+
+    # Each iteration registers its policy; the sample table comes from the trained policy's replies.
+    name = harness.names.policy_model
+    assert [harness.active.stage(f"ppo-iteration-{k}").models for k in (1, 2)] == [
+        {"policy": f"models:/{name}/1"}, {"policy": f"models:/{name}/2"}]
+    assert MlflowClient().get_model_version(name, "2").tags["rlhf.artifact_key"] == second.identity()
+    samples = pq.read_table(second.path(results[1].samples)).to_pylist()
+    assert [s["prompt"] for s in samples][:2] == PROMPTS[:2] and len(samples) == len(PROMPTS)
+    assert all(1 <= s["length"] <= 6 for s in samples)  # ppo.generation.max_new_tokens

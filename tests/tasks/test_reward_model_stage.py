@@ -1,5 +1,6 @@
 """The reward-model stage on a planted rule (the chosen reply says "good", the rejected one "bad"): both RMs
-learn it, are saved, registered with the 'candidate' alias, and logged to a nested MLflow run with plots."""
+learn it, are saved in the artifact, registered with lineage and the 'candidate' alias, and logged to a nested
+MLflow run with plots; a later run reuses the artifact and registers it again without a second upload."""
 
 from __future__ import annotations
 
@@ -14,21 +15,22 @@ import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+from prefect.states import Failed
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from rlhf_core.data import PREFERENCE_PAIRS, DataError
 from rlhf_core.models.roles import load_reward_model
-from tasks import tracking
+from tasks import reward_model
 from tasks.config import PipelineConfig, load_config
-from tasks.io import write_parquet
-from tasks.reward_model import (SCORES_PNG, RewardModelResult, pair_scores, read_pairs,
-                                retry_on_transient_io_or_registry, reward_model_task, run_reward_model)
-from tasks.state import StateDir
-from tests.stage_tracking import module_tracking
+from tasks.io import read_pairs, write_parquet
+from tasks.retries import is_transient, retry_on_transient_io
+from tasks.reward_model import SCORES_PNG, pair_scores, reward_model_task
+from tasks.run_store import Artifact
+from tests.stage_harness import StageHarness
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
-PROXY, HELDOUT = "test-proxy-rm", "test-heldout-rm"
+LABEL = "reward-model"
 
 
 def planted_pairs(n: int, seed: int) -> list[dict[str, object]]:
@@ -53,136 +55,210 @@ def planted_pairs(n: int, seed: int) -> list[dict[str, object]]:
 def tiny_config(*extra: str) -> PipelineConfig:
     return load_config(preset="tiny", overrides=[
         "device=cpu", "reward_model.training.epochs=4", "reward_model.heldout.epochs=4",
-        "reward_model.training.learning_rate=0.003", "reward_model.heldout.learning_rate=0.003",
-        f"tracking.reward_model={PROXY}", f"tracking.heldout_reward_model={HELDOUT}", *extra])
+        "reward_model.training.learning_rate=0.003", "reward_model.heldout.learning_rate=0.003", *extra])
+
+
+def latest_version(name: str) -> int:
+    """The newest registered version of ``name``."""
+    return max(int(v.version) for v in MlflowClient().search_model_versions(f"name='{name}'"))
+
+
+def pairs_artifact(harness: StageHarness, train: Path, heldout: Path) -> Artifact:
+    """A hand-made data-prep artifact holding the two pair tables the stage reads."""
+    return harness.artifact("data-prep", {"train_pairs.parquet": train, "heldout_pairs.parquet": heldout},
+                            {"train_pairs": "train_pairs.parquet", "heldout_pairs": "heldout_pairs.parquet"})
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+def files(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("rm-inputs")
     tokenizer = word_tokenizer()
     torch.manual_seed(0)
     GPT2LMHeadModel(gpt2_config(len(tokenizer))).save_pretrained(root / "sft")
     tokenizer.save_pretrained(root / "sft")
     return SimpleNamespace(
-        sft=str(root / "sft"),
-        train=write_parquet(planted_pairs(160, seed=1), PREFERENCE_PAIRS, root / "train_pairs.parquet"),
-        heldout=write_parquet(planted_pairs(64, seed=2), PREFERENCE_PAIRS, root / "heldout_pairs.parquet"),
-        empty=write_parquet([], PREFERENCE_PAIRS, root / "empty.parquet"),
+        root=root, sft=root / "sft",
+        train=Path(write_parquet(planted_pairs(160, seed=1), PREFERENCE_PAIRS, root / "train_pairs.parquet")),
+        heldout=Path(write_parquet(planted_pairs(64, seed=2), PREFERENCE_PAIRS, root / "heldout_pairs.parquet")),
+        empty=Path(write_parquet([], PREFERENCE_PAIRS, root / "empty.parquet")),
     )
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    with module_tracking(tmp_path_factory.mktemp("rm-mlflow")) as state:
-        yield state
+def harness(files: SimpleNamespace) -> Iterator[StageHarness]:
+    harness = StageHarness(files.root / "state")
+    yield harness
+    harness.close()
 
 
 @pytest.fixture(scope="module")
-def parent_id(store: StateDir) -> str:
-    with tracking.pipeline_run("rm-stage-test", "rm") as run:
-        return run.info.run_id
+def inputs(harness: StageHarness, files: SimpleNamespace) -> reward_model.Inputs:
+    return reward_model.Inputs(pairs_artifact(harness, files.train, files.heldout), harness.model("sft", files.sft))
 
 
 @pytest.fixture(scope="module")
-def stage(inputs: SimpleNamespace, parent_id: str, tmp_path_factory: pytest.TempPathFactory) -> RewardModelResult:
-    out = tmp_path_factory.mktemp("rm-out")
-    return run_reward_model(tiny_config(), inputs.train, inputs.heldout, inputs.sft, str(out), parent_id)
+def stage(harness: StageHarness, inputs: reward_model.Inputs) -> Artifact:
+    return harness.run(reward_model, LABEL, reward_model.Config.of(tiny_config()), inputs)
 
 
-def test_both_models_learn_the_planted_rule_on_pairs_they_never_saw(stage: RewardModelResult,
-                                                                   inputs: SimpleNamespace) -> None:
-    m = stage.metrics
+def test_both_models_learn_the_planted_rule_on_pairs_they_never_saw(stage: Artifact, files: SimpleNamespace) -> None:
+    m = reward_model.STAGE.result(stage).metrics
     assert m["rm/proxy/eval/accuracy"] >= 0.85 and m["rm/proxy/eval/n_pairs"] == 64
     assert m["rm/heldout/eval/accuracy"] >= 0.85 and m["rm/heldout/eval/n_pairs"] == 160
     assert m["rm/proxy/eval/margin_mean"] > 0 and m["rm/proxy/eval/score_std"] > 0
     assert m["rm/cross/agreement"] >= 0.8 and m["rm/cross/spearman"] > 0.3
-    # The saved proxy, reloaded from disk, orders the held-out pairs as the stage reported.
-    model, tokenizer = load_reward_model(stage.proxy_dir).eval(), AutoTokenizer.from_pretrained(stage.proxy_dir)
-    chosen, rejected = pair_scores(model, tokenizer, read_pairs(inputs.heldout), max_length=64)
+    # The saved proxy, reloaded from the artifact, orders the held-out pairs as the stage reported.
+    proxy_dir = reward_model.model_input(stage, "proxy").path
+    model, tokenizer = load_reward_model(proxy_dir).eval(), AutoTokenizer.from_pretrained(proxy_dir)
+    chosen, rejected = pair_scores(model, tokenizer, read_pairs(files.heldout), max_length=64)
     accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
     assert accuracy == pytest.approx(m["rm/proxy/eval/accuracy"], abs=1e-9)
     assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id == 0
     assert model.config.n_embd == 32  # the SFT policy's backbone (tests.tiny_models), not the 'tiny' preset's 48
+    assert stage.result["counts"] == {"n_train_pairs": 160, "n_heldout_pairs": 64, "n_cross_eval_pairs": 160}
 
 
-def test_both_models_are_registered_with_the_candidate_alias(stage: RewardModelResult) -> None:
-    client = MlflowClient()
-    assert (stage.proxy_uri, stage.proxy_version) == (f"models:/{PROXY}/1", 1)
-    assert (stage.heldout_uri, stage.heldout_version) == (f"models:/{HELDOUT}/1", 1)
-    for name in (PROXY, HELDOUT):
+def test_both_models_are_registered_with_lineage_and_the_candidate_alias(stage: Artifact,
+                                                                         harness: StageHarness) -> None:
+    client, names = MlflowClient(), harness.names
+    entry = harness.active.stage(LABEL)
+    assert entry.status == "completed" and entry.key == stage.key and entry.cached_from is None
+    assert entry.models == {"proxy": f"models:/{names.reward_model}/1",
+                            "heldout": f"models:/{names.heldout_reward_model}/1"}
+    for role, name in (("proxy", names.reward_model), ("heldout", names.heldout_reward_model)):
         version = client.get_model_version_by_alias(name, "candidate")
-        assert int(version.version) == 1 and version.run_id == stage.mlflow_run_id
-    assert Path(stage.proxy_dir, "config.json").is_file() and Path(stage.heldout_dir, "tokenizer.json").is_file()
+        assert int(version.version) == 1 and version.run_id == entry.mlflow_run_id
+        assert int(client.get_model_version_by_alias(name, "champion").version) == 1  # the first RM of the name
+        assert version.tags == {"rlhf.run_id": harness.run_id, "rlhf.stage": LABEL, "rlhf.role": role,
+                                "rlhf.artifact_key": stage.identity(), "rlhf.produced_by": harness.run_id}
+    assert (stage.path("proxy") / "config.json").is_file() and (stage.path("heldout") / "tokenizer.json").is_file()
 
 
-def test_the_nested_run_holds_params_curves_plots_and_metrics(stage: RewardModelResult, parent_id: str) -> None:
-    client = MlflowClient()
-    run = client.get_run(stage.mlflow_run_id)
-    assert run.data.tags["mlflow.parentRunId"] == parent_id and run.data.tags["stage"] == "reward-model"
+def test_the_nested_run_holds_params_curves_plots_and_metrics(stage: Artifact, harness: StageHarness) -> None:
+    client, metrics = MlflowClient(), stage.result["metrics"]
+    run = harness.mlflow_run(LABEL)
+    run_id = run.info.run_id
+    assert run.data.tags["mlflow.parentRunId"] == harness.parent_run_id and run.data.tags["rlhf.stage"] == LABEL
+    assert run.data.tags["rlhf.run_id"] == harness.run_id and run.data.tags["rlhf.artifact_key"] == stage.identity()
     assert run.data.params["reward_model.init"] == "sft"
     assert run.data.params["reward_model.training.epochs"] == "4"
-    assert run.data.metrics["rm/proxy/eval/accuracy"] == pytest.approx(stage.metrics["rm/proxy/eval/accuracy"])
-    steps = int(stage.metrics["rm/proxy/train/steps"])  # 4 epochs x ceil(160 / 16)
+    assert run.data.params["inputs.n_train_pairs"] == "160"
+    assert run.data.metrics["rm/proxy/eval/accuracy"] == pytest.approx(metrics["rm/proxy/eval/accuracy"])
+    steps = int(metrics["rm/proxy/train/steps"])  # 4 epochs x ceil(160 / 16)
     assert steps == 40
-    assert len(client.get_metric_history(stage.mlflow_run_id, "rm/proxy/train/loss")) == steps
-    evals = client.get_metric_history(stage.mlflow_run_id, "rm/heldout/eval/accuracy")
+    assert len(client.get_metric_history(run_id, "rm/proxy/train/loss")) == steps
+    evals = client.get_metric_history(run_id, "rm/heldout/eval/accuracy")
     # Evaluations during training, the last at the held-out RM's own final step (4 epochs x 64 / 16 pairs).
-    assert len(evals) >= 4 and max(e.step for e in evals) == stage.metrics["rm/heldout/train/steps"] == 16
-    assert max(evals, key=lambda e: e.step).value == stage.metrics["rm/heldout/eval/accuracy"]
-    plots = {Path(a.path).name for a in client.list_artifacts(stage.mlflow_run_id, "plots")}
-    assert plots == {"rm_proxy_loss.png", "rm_heldout_loss.png", SCORES_PNG}
-    out = Path(stage.metrics_json).parent
-    assert all((out / name).read_bytes().startswith(b"\x89PNG") for name in plots)
-    record = json.loads(Path(stage.metrics_json).read_text())
-    assert record["metrics"] == pytest.approx(stage.metrics)
+    assert len(evals) >= 4 and max(e.step for e in evals) == metrics["rm/heldout/train/steps"] == 16
+    assert max(evals, key=lambda e: e.step).value == metrics["rm/heldout/eval/accuracy"]
+    plots = {Path(a.path).name for a in client.list_artifacts(run_id, "plots")}
+    assert plots == {"rm_proxy_loss.png", "rm_heldout_loss.png", SCORES_PNG} == set(stage.result["plots"])
+    assert all(stage.path(name).read_bytes().startswith(b"\x89PNG") for name in plots)
+    assert "metrics.json" in {a.path for a in client.list_artifacts(run_id)}
+    record = json.loads(stage.path(stage.result["metrics_file"]).read_text())
+    assert record["metrics"] == pytest.approx(metrics)
     assert {"rm/proxy/eval/accuracy", "rm/proxy/eval/margin_mean", "rm/proxy/eval/score_mean",
             "rm/proxy/eval/score_std", "rm/heldout/eval/accuracy", "rm/cross/agreement"} <= set(record["metrics"])
-    assert record["proxy_uri"] == stage.proxy_uri and record["mlflow_run_id"] == stage.mlflow_run_id
 
 
-def test_the_task_starts_from_a_registered_reward_model(stage: RewardModelResult, inputs: SimpleNamespace,
-                                                        parent_id: str, tmp_path: Path) -> None:
-    # init = the proxy's models:/ URI: no sft_model needed, the tokenizer comes with the model.
-    config = tiny_config(f"reward_model.init={stage.proxy_uri}", "reward_model.training.epochs=1",
-                         "reward_model.heldout.epochs=1", "tracking.reward_model=test-proxy-rm-2",
-                         "tracking.heldout_reward_model=test-heldout-rm-2")
-    result = reward_model_task.fn(config, inputs.train, inputs.heldout, None, str(tmp_path), parent_id)
-    assert result.proxy_uri == "models:/test-proxy-rm-2/1"
+def test_the_stage_starts_from_a_registered_reward_model(stage: Artifact, harness: StageHarness,
+                                                         inputs: reward_model.Inputs) -> None:
+    proxy_uri = harness.active.stage(LABEL).models["proxy"]
+    # init = the proxy's models:/ URI: no SFT policy needed, the tokenizer comes with the model.
+    cfg = reward_model.Config.of(tiny_config(f"reward_model.init={proxy_uri}", "reward_model.training.epochs=1",
+                                             "reward_model.heldout.epochs=1"))
+    rm_inputs = reward_model.Inputs.of(cfg, inputs.data, inputs.sft)
+    assert rm_inputs.sft is None
+    name = harness.names.reward_model
+    expected = f"models:/{name}/{latest_version(name) + 1}"
+    art = harness.run(reward_model, "reward-model-from-registry", cfg, rm_inputs)
+    assert art.key != stage.key and art.record.config["reward_model"]["init"] == proxy_uri
+    assert harness.active.stage("reward-model-from-registry").models["proxy"] == expected
     # Started from a model that already knows the rule: the held-out RM is good before much training.
-    assert result.metrics["rm/proxy/eval/accuracy"] >= 0.85 and result.metrics["rm/heldout/eval/accuracy"] >= 0.85
+    metrics = art.result["metrics"]
+    assert metrics["rm/proxy/eval/accuracy"] >= 0.85 and metrics["rm/heldout/eval/accuracy"] >= 0.85
+    assert metrics["rm/proxy/train/steps"] == 10  # 1 epoch x ceil(160 / 16)
 
 
-def test_scratch_init_builds_the_configured_size(inputs: SimpleNamespace, parent_id: str, tmp_path: Path) -> None:
-    config = tiny_config("reward_model.init=scratch", "reward_model.training.epochs=2",
-                         "reward_model.heldout.epochs=1", "tracking.reward_model=test-proxy-rm-scratch",
-                         "tracking.heldout_reward_model=test-heldout-rm-scratch")
-    result = run_reward_model(config, inputs.train, inputs.heldout, inputs.sft, str(tmp_path), parent_id)
-    proxy, held = load_reward_model(result.proxy_dir), load_reward_model(result.heldout_dir)
-    assert proxy.config.n_embd == held.config.n_embd == 48 and proxy.config.n_layer == 2  # sft.model_size=tiny
-    assert result.metrics["rm/proxy/eval/accuracy"] >= 0.85
+def test_scratch_init_builds_the_configured_size(harness: StageHarness, inputs: reward_model.Inputs) -> None:
+    cfg = reward_model.Config.of(tiny_config("reward_model.init=scratch", "reward_model.training.epochs=2",
+                                             "reward_model.heldout.epochs=1"))
+    assert cfg.model_size == "tiny"  # sft.model_size, read only for a model built from scratch
+    art = harness.run(reward_model, "reward-model-scratch", cfg, inputs)
+    proxy, held = (load_reward_model(reward_model.model_input(art, role).path) for role in ("proxy", "heldout"))
+    assert proxy.config.n_embd == held.config.n_embd == 48 and proxy.config.n_layer == 2
+    assert art.result["metrics"]["rm/proxy/eval/accuracy"] >= 0.85
 
 
-def test_missing_or_empty_tables_fail_naming_the_file(inputs: SimpleNamespace, parent_id: str,
-                                                      tmp_path: Path) -> None:
-    missing = str(tmp_path / "nope" / "train_pairs.parquet")
-    with pytest.raises(FileNotFoundError, match=r"nope/train_pairs\.parquet does not exist; run the data-prep"):
-        run_reward_model(tiny_config(), missing, inputs.heldout, inputs.sft, str(tmp_path), parent_id)
-    with pytest.raises(ValueError, match=r"empty\.parquet has no rows"):
-        run_reward_model(tiny_config(), inputs.train, inputs.empty, inputs.sft, str(tmp_path), parent_id)
-    with pytest.raises(ValueError, match="sft_model is None"):
-        run_reward_model(tiny_config(), inputs.train, inputs.heldout, None, str(tmp_path), parent_id)
-    assert not any(tmp_path.iterdir())  # failed before writing anything
+def test_missing_or_empty_tables_fail_naming_the_file(harness: StageHarness, files: SimpleNamespace,
+                                                      inputs: reward_model.Inputs) -> None:
+    cfg = reward_model.Config.of(tiny_config())
+    missing = harness.artifact("data-prep", {"heldout_pairs.parquet": files.heldout},
+                               {"train_pairs": "nope/train_pairs.parquet", "heldout_pairs": "heldout_pairs.parquet"})
+    empty = pairs_artifact(harness, files.train, files.empty)
+    cases = [("rm-missing", reward_model.Inputs(missing, inputs.sft), FileNotFoundError,
+              r"nope/train_pairs\.parquet does not exist; run the data-prep"),
+             ("rm-empty", reward_model.Inputs(empty, inputs.sft), ValueError, r"heldout_pairs\.parquet has no rows"),
+             ("rm-no-sft", reward_model.Inputs(inputs.data, None), ValueError,
+              r"reward_model.init='sft' needs the SFT policy")]
+    for label, rm_inputs, error, message in cases:
+        with pytest.raises(error, match=message):
+            harness.run(reward_model, label, cfg, rm_inputs)
+        entry = harness.active.stage(label)
+        assert entry.status == "failed" and entry.error.startswith(error.__name__) and entry.models == {}
+        assert harness.store.artifact(reward_model.NAME, entry.key) is None  # nothing published
+
+
+def test_a_later_run_reuses_the_artifact_and_registers_it_without_a_second_upload(
+        stage: Artifact, harness: StageHarness, inputs: reward_model.Inputs, files: SimpleNamespace) -> None:
+    client, names, first_run = MlflowClient(), harness.names, harness.run_id
+    cfg = reward_model.Config.of(tiny_config())
+    roles = {"proxy": names.reward_model, "heldout": names.heldout_reward_model}
+    new = {role: latest_version(name) + 1 for role, name in roles.items()}
+    later = StageHarness(files.root / "state", names=names)
+    try:
+        reused = later.run(reward_model, LABEL, cfg, inputs)
+        assert (reused.key, reused.record.produced_by) == (stage.key, first_run) and later.run_id != first_run
+        entry = later.active.stage(LABEL)
+        assert entry.cached_from == first_run and entry.status == "completed"
+        assert entry.models == {role: f"models:/{name}/{new[role]}" for role, name in roles.items()}
+        for role, name in roles.items():
+            version = client.get_model_version(name, str(new[role]))
+            assert version.tags["rlhf.cached_from"] == first_run and version.tags["rlhf.run_id"] == later.run_id
+            assert version.tags["rlhf.produced_by"] == first_run and version.tags["rlhf.role"] == role
+            assert version.source == client.get_model_version(name, "1").source  # the first run's upload
+            assert version.run_id == entry.mlflow_run_id
+            assert int(client.get_model_version_by_alias(name, "candidate").version) == new[role]
+            assert int(client.get_model_version_by_alias(name, "champion").version) == 1  # kept
+        run = later.mlflow_run(LABEL)
+        assert run.data.tags["rlhf.cached_from"] == first_run
+        assert run.data.metrics["rm/cross/agreement"] == stage.result["metrics"]["rm/cross/agreement"]
+        # The curves of the run that computed it, replayed into this run's stage run.
+        assert len(client.get_metric_history(run.info.run_id, "rm/proxy/train/loss")) == 40
+
+        # Again in the same run: the stage is done there, nothing new is registered.
+        assert later.run(reward_model, LABEL, cfg, inputs) == reused
+        # A publication that died half-way (entry not completed) publishes again into the same MLflow run: the
+        # versions it registered are found, not registered twice.
+        later.active.stage_update(LABEL, status="failed")
+        assert later.run(reward_model, LABEL, cfg, inputs) == reused
+        assert later.active.stage(LABEL).models == entry.models
+        assert later.active.stage(LABEL).mlflow_run_id == entry.mlflow_run_id
+        assert {role: latest_version(name) for role, name in roles.items()} == new
+    finally:
+        later.close()
 
 
 @pytest.mark.parametrize("error, retried", [
     (ValueError("bad setting"), False), (FileNotFoundError("gone"), False), (KeyError("column"), False),
     (DataError("bad table"), False), (RuntimeError("bug"), False), (ConnectionError("reset"), True),
+    (TimeoutError("slow"), True), (None, False),
     (MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE), True),
     (MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST), False),
     (MlflowException("a bug, default code"), False),
 ])
-def test_retries_only_transient_io_and_registry_errors(error: BaseException, retried: bool) -> None:
-    state = SimpleNamespace(result=lambda raise_on_failure=True: error)
-    assert retry_on_transient_io_or_registry(None, None, state) is retried
-    assert reward_model_task.retries == 1
+def test_retries_only_transient_io_and_registry_errors(error: BaseException | None, retried: bool) -> None:
+    assert is_transient(error) is retried
+    if error is not None:
+        assert retry_on_transient_io(reward_model_task, None, Failed(data=error)) is retried
+    assert reward_model_task.retries == 1 and reward_model_task.retry_condition_fn is retry_on_transient_io

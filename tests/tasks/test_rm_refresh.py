@@ -1,4 +1,5 @@
-"""The rm-refresh stage and its file labelling round-trip, on tiny models with a planted rule.
+"""The rm-refresh stage and its file labelling round trip, on tiny models with a planted rule, run as the flow runs
+it (tests/stage_harness.py); and the pure refresh rules (rlhf_core/training/refresh.py).
 
 A judge reward model learns the rule ("good" in a reply is better, "bad" is worse). The proxy PPO would use is
 the judge with its score head negated: exactly wrong about the rule, so it orders every judged on-policy pair
@@ -11,7 +12,6 @@ from __future__ import annotations
 import csv
 import random
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,21 +24,24 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrai
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, DataError, prompt_id
 from rlhf_core.demo import SimulatedAnnotator
-from rlhf_core.evaluation.annotators import ReplyPair, RewardModelJudge
+from rlhf_core.evaluation.annotators import PerPairAnnotator, ReplyPair, RewardModelJudge
 from rlhf_core.models.roles import load_reward_model
+from rlhf_core.training.refresh import (draw_prompts, promotion, refresh_seed, replay_sample, split_by_prompt,
+                                        training_config)
 from rlhf_core.training.reward_training import PreferencePair, train_reward_model
-from tasks import tracking
+from tasks import rm_refresh, tracking
 from tasks.config import ConfigError, PipelineConfig, load_config
-from tasks.io import read_parquet, write_parquet
+from tasks.io import read_pairs, read_parquet, write_parquet
 from tasks.labelling import export_unlabelled, import_labels
-from tasks.reward_model import read_pairs
-from tasks.refresh_pairs import LabelsPendingError, build_annotator, split_by_prompt
-from tasks.rm_refresh import CHAMPION, RefreshResult, promotion, rm_refresh_task, run_rm_refresh
-from tasks.state import StateDir
-from tests.stage_tracking import module_tracking
+from tasks.retries import is_transient
+from tasks.rm_refresh import Config, Inputs, LabelsPendingError, Result, build_annotator
+from tasks.run_store import Artifact
+from tasks.stage import METRICS_LOG
+from tests.stage_harness import StageHarness
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
+CHAMPION = "champion"
 
 
 # --------------------------------------------------------------------------------------------- labelling
@@ -47,10 +50,6 @@ FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
 EXPORTED = [ReplyPair("q cat", " good dog", " bad tree"), ReplyPair("q sun", " red", " blue box"),
             ReplyPair("q why", " the mat", " a slow moon"), ReplyPair("q how", " fast\x00", " slow"),
             ReplyPair("q sat", " big", " small")]
-
-
-def _fill(rows: list[dict], labels: list[object]) -> list[dict]:
-    return [{**row, "label": label} for row, label in zip(rows, labels)]
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
@@ -145,7 +144,15 @@ def _table(pairs: list[PreferencePair], path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StageHarness]:
+    harness = StageHarness(tmp_path_factory.mktemp("rm-refresh") / "state")
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def inputs(harness: StageHarness, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """Model folders, tables, and the artifacts the stage reads: data-prep (two variants), policy, proxy, judge."""
     root = tmp_path_factory.mktemp("refresh-inputs")
     tokenizer = word_tokenizer()
     rule_heavy_policy(tokenizer).save_pretrained(root / "policy")
@@ -161,53 +168,63 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         tokenizer.save_pretrained(root / name)
     heldout = planted_pairs(48, seed=2)
     prompts = ["q " + " ".join(random.Random(i).sample(FILLER, 3)) for i in range(80)]
+    train = _table(planted_pairs(64, seed=3), root / "train_pairs.parquet")
+    ppo_prompts = write_parquet([{"prompt": p, "prompt_id": prompt_id(p)} for p in prompts], PPO_PROMPTS,
+                                root / "ppo_prompts.parquet")
+
+    def data(heldout_pairs: str) -> Artifact:
+        files = {"train_pairs.parquet": train, "heldout_pairs.parquet": heldout_pairs,
+                 "ppo_prompts.parquet": ppo_prompts}
+        return harness.artifact("data-prep", files, {"train_pairs": "train_pairs.parquet",
+                                                     "heldout_pairs": "heldout_pairs.parquet",
+                                                     "ppo_prompts": "ppo_prompts.parquet"})
+
     return SimpleNamespace(
-        root=root, policy=str(root / "policy"), judge=str(root / "judge"), proxy=str(root / "proxy"),
-        train=_table(planted_pairs(64, seed=3), root / "train_pairs.parquet"),
-        heldout=_table(heldout, root / "heldout_pairs.parquet"),
-        heldout_flipped=_table([PreferencePair(p.prompt, p.rejected, p.chosen) for p in heldout],
-                               root / "heldout_flipped.parquet"),
-        prompts=write_parquet([{"prompt": p, "prompt_id": prompt_id(p)} for p in prompts], PPO_PROMPTS,
-                              root / "ppo_prompts.parquet"))
+        root=root, policy_dir=str(root / "policy"), judge_dir=str(root / "judge"), train=train,
+        data=data(_table(heldout, root / "heldout_pairs.parquet")),
+        # held-out pairs that agree with the upside-down proxy: learning the judge's rule must lose them
+        data_flipped=data(_table([PreferencePair(p.prompt, p.rejected, p.chosen) for p in heldout],
+                                 root / "heldout_flipped.parquet")),
+        policy=harness.model("ppo-iteration", root / "policy"), proxy=harness.model("reward-model", root / "proxy"),
+        judge=harness.model("reward-model", root / "judge"))
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
-    with module_tracking(tmp_path_factory.mktemp("refresh-mlflow")) as state:
-        yield state
-
-
-@pytest.fixture(scope="module")
-def parent_id(store: StateDir) -> str:
-    with tracking.pipeline_run("rm-refresh-test", "refresh") as run:
-        return run.info.run_id
-
-
-def refresh_config(name: str, *extra: str) -> PipelineConfig:
+def refresh_config(*extra: str) -> PipelineConfig:
     return load_config(preset="tiny", overrides=[
         "device=cpu", "refresh.annotator=rm_judge", "refresh.n_pairs=144", "refresh.on_policy_eval_fraction=0.35",
         "refresh.epochs=6", "refresh.learning_rate=0.003", "refresh.keep_old_pairs=false",
         "reward_model.training.max_length=64", "reward_model.heldout.max_length=64",
-        "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=48", f"tracking.reward_model={name}",
-        *extra])
+        "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=48", *extra])
 
 
-def _refresh(inputs: SimpleNamespace, parent_id: str, out: Path, config: PipelineConfig, proxy: str,
-             heldout: str) -> RefreshResult:
-    return run_rm_refresh(config, 1, inputs.policy, proxy, inputs.judge, inputs.train, heldout, inputs.prompts,
-                          str(out), parent_id)
+def refresh(harness: StageHarness, label: str, cfg: Config, inputs: SimpleNamespace, data: Artifact | None = None,
+            earlier: tuple[Artifact, ...] = ()) -> tuple[Artifact, Result]:
+    """rm-refresh on the policy and proxy; the judge is the default rm_judge: the held-out RM input."""
+    stage_inputs = Inputs.of(cfg, data or inputs.data, inputs.policy, inputs.proxy, inputs.judge, earlier)
+    artifact = harness.run(rm_refresh, label, cfg, stage_inputs)
+    return artifact, rm_refresh.STAGE.result(artifact)
+
+
+def registered(harness: StageHarness, label: str) -> int:
+    """The reward-model version stage ``label`` registered in this run."""
+    return tracking.parse_model_uri(harness.active.stage(label).models["reward_model"]).version
+
+
+def alias(harness: StageHarness, name: str) -> int | None:
+    return tracking.get_alias_version(harness.names.reward_model, name)
 
 
 @pytest.fixture(scope="module")
-def promoted(inputs: SimpleNamespace, parent_id: str, tmp_path_factory: pytest.TempPathFactory) -> RefreshResult:
-    """Fresh pairs only (no replay); the judge is the default rm_judge: the held-out RM."""
-    return _refresh(inputs, parent_id, tmp_path_factory.mktemp("refresh-out"), refresh_config("refresh-promoted"),
-                    inputs.proxy, inputs.heldout)
+def promoted(harness: StageHarness, inputs: SimpleNamespace) -> tuple[Artifact, Result]:
+    """Fresh pairs only (no replay), judged by the held-out RM input."""
+    return refresh(harness, "rm-refresh-1", Config.of(refresh_config(), 1), inputs)
 
 
-def test_refresh_fixes_the_proxy_on_on_policy_pairs_it_never_saw(promoted: RefreshResult) -> None:
-    m = promoted.metrics
-    # measured: on-policy accuracy 0.000 -> 0.714 (49 eval pairs on unseen prompts), held-out 0.000 -> 0.875
+def test_refresh_fixes_the_proxy_on_on_policy_pairs_it_never_saw(promoted: tuple[Artifact, Result],
+                                                                 inputs: SimpleNamespace) -> None:
+    artifact, result = promoted
+    m = result.metrics
+    # measured: on-policy accuracy 0.000 -> 0.814 (43 eval pairs on unseen prompts), held-out 0.000 -> 1.000
     assert m["refresh/onpolicy_accuracy_before"] <= 0.05  # the upside-down proxy disagrees with every judge label
     assert m["refresh/onpolicy_accuracy_after"] >= 0.6  # 0.65-0.80 over judge seeds 0-3
     assert m["refresh/heldout_accuracy_after"] > m["refresh/heldout_accuracy_before"] + 0.5
@@ -218,58 +235,64 @@ def test_refresh_fixes_the_proxy_on_on_policy_pairs_it_never_saw(promoted: Refre
     assert m["refresh/n_new_pairs"] == m["refresh/n_train_new"] + m["refresh/n_onpolicy_eval"]
     assert 0.2 < m["refresh/label_a_fraction"] < 0.8
     # data.source is 'demo' here, so the eval pairs are also judged by gold (a report, never a training label)
-    assert {f"refresh/onpolicy_gold_{k}_{w}" for k in ("accuracy", "loss", "margin") for w in ("before", "after")} <= set(m)
+    gold = {f"refresh/onpolicy_gold_{k}_{w}" for k in ("accuracy", "loss", "margin") for w in ("before", "after")}
+    assert gold <= set(m)
     assert 0.0 <= m["refresh/onpolicy_gold_accuracy_before"] <= 1.0
-    train = read_parquet(promoted.pairs_path, PREFERENCE_PAIRS)
-    held = read_parquet(promoted.eval_pairs_path, PREFERENCE_PAIRS)
+    train = read_parquet(artifact.path(result.train_pairs), PREFERENCE_PAIRS)
+    held = read_parquet(artifact.path(result.eval_pairs), PREFERENCE_PAIRS)
+    assert (len(train), len(held)) == (m["refresh/n_train_new"], m["refresh/n_onpolicy_eval"])
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}  # eval prompts never trained on
     # the saved model is the one measured: the judge agrees with it on its own on-policy eval pairs
-    model = load_reward_model(promoted.model_dir).eval()
+    model = load_reward_model(str(artifact.path(result.reward_model))).eval()
     judge = RewardModelJudge(model, word_tokenizer(), max_length=64)
     assert sum(judge.label([ReplyPair(r["prompt"], r["chosen"], r["rejected"]) for r in held])) / len(held) == \
         pytest.approx(m["refresh/onpolicy_accuracy_after"], abs=1e-6)
+    assert (result.iteration, result.promoted, m["refresh/promoted"]) == (1, True, 1.0)
 
 
-def test_a_better_refresh_is_registered_and_becomes_champion(promoted: RefreshResult, parent_id: str) -> None:
+def test_a_better_refresh_is_registered_and_becomes_champion(harness: StageHarness,
+                                                             promoted: tuple[Artifact, Result]) -> None:
+    artifact, result = promoted
     client = MlflowClient()
-    assert promoted.promoted and promoted.new_version == 1
-    assert promoted.reward_model_uri == promoted.candidate_uri == "models:/refresh-promoted/1"
-    for alias in ("candidate", CHAMPION):
-        assert int(client.get_model_version_by_alias("refresh-promoted", alias).version) == 1
-    run = client.get_run(promoted.mlflow_run_id)
-    assert run.info.run_name == "rm-refresh-1" and run.data.tags["mlflow.parentRunId"] == parent_id
-    assert run.data.tags["refresh.promotion"].startswith("promoted")
-    assert run.data.params["refresh.annotator"] == "rm_judge" and run.data.params["refresh.training.epochs"] == "6"
-    assert run.data.metrics["refresh/onpolicy_accuracy_after"] == promoted.metrics["refresh/onpolicy_accuracy_after"]
-    assert "refresh/eval/accuracy" in run.data.metrics  # the on-policy curve during training
-    artifacts = {a.path for a in client.list_artifacts(promoted.mlflow_run_id, "pairs")}
-    assert "pairs/refresh_train_pairs.parquet" in artifacts and "pairs/onpolicy_eval_pairs.parquet" in artifacts
+    version = registered(harness, "rm-refresh-1")
+    assert alias(harness, "candidate") == alias(harness, CHAMPION) == version
+    model_version = client.get_model_version(harness.names.reward_model, str(version))
+    assert model_version.tags["rlhf.artifact_key"] == artifact.identity()
+    assert (model_version.tags["rlhf.role"], model_version.tags["rlhf.run_id"]) == ("reward_model", harness.run_id)
+    run = harness.mlflow_run("rm-refresh-1")
+    assert run.info.run_name == "rm-refresh-1" and run.data.tags["mlflow.parentRunId"] == harness.parent_run_id
+    assert run.data.tags["refresh.promotion"] == result.reason and result.reason.startswith("promoted")
+    assert run.data.params["refresh.annotator"] == "rm_judge" and run.data.params["training.epochs"] == "6"
+    base_seed = refresh_config().reward_model.training.seed
+    assert run.data.params["iteration"] == "1" and run.data.params["training.seed"] == str(base_seed + 1)
+    assert run.data.metrics["refresh/onpolicy_accuracy_after"] == result.metrics["refresh/onpolicy_accuracy_after"]
+    assert "refresh/eval/accuracy" in run.data.metrics  # the on-policy curve during training ...
+    assert METRICS_LOG in artifact.record.files  # ... kept in the artifact, for runs that reuse it
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "pairs")}
+    assert artifacts == {"pairs/refresh_train_pairs.parquet", "pairs/onpolicy_eval_pairs.parquet",
+                         "pairs/refresh_quarantine.parquet"}
 
 
 def test_a_refresh_that_loses_held_out_accuracy_is_registered_but_not_promoted(
-        inputs: SimpleNamespace, parent_id: str, tmp_path: Path) -> None:
-    # held-out pairs that agree with the upside-down proxy: learning the judge's rule must lose them
-    name = "refresh-kept"
-    old = tracking.register_model_dir(inputs.proxy, name, parent_id, aliases=("candidate", CHAMPION))
-    config = refresh_config(name, "refresh.keep_old_pairs=true", "refresh.old_pairs_ratio=0.5")
-    result = _refresh(inputs, parent_id, tmp_path, config, old.uri, inputs.heldout_flipped)
+        harness: StageHarness, inputs: SimpleNamespace, promoted: tuple[Artifact, Result]) -> None:
+    champion = alias(harness, CHAMPION)  # the promoted refresh above
+    cfg = Config.of(refresh_config("refresh.keep_old_pairs=true", "refresh.old_pairs_ratio=0.5"), 1)
+    kept, result = refresh(harness, "rm-refresh-1-kept", cfg, inputs, inputs.data_flipped)
     m = result.metrics
-    # measured: held-out 1.000 -> 0.000, on-policy 0.000 -> 0.816 (44 old pairs replayed next to 88 fresh)
+    # measured: held-out 1.000 -> 0.000, on-policy 0.000 -> 0.860 (46 old pairs replayed next to 92 fresh)
     assert m["refresh/heldout_accuracy_after"] < m["refresh/heldout_accuracy_before"]
     assert m["refresh/onpolicy_accuracy_after"] > m["refresh/onpolicy_accuracy_before"] + 0.5
     assert m["refresh/n_old_replayed"] == round(0.5 * m["refresh/n_train_new"]) and m["refresh/promoted"] == 0.0
-    assert not result.promoted and "not promoted" in result.promotion_reason
-    assert result.reward_model_uri == old.uri == f"models:/{name}/1" and result.candidate_uri == f"models:/{name}/2"
-    client = MlflowClient()
-    assert int(client.get_model_version_by_alias(name, CHAMPION).version) == 1
-    assert int(client.get_model_version_by_alias(name, "candidate").version) == 2
+    assert not result.promoted and "not promoted" in result.reason
+    version = registered(harness, "rm-refresh-1-kept")
+    assert version != champion and alias(harness, CHAMPION) == champion and alias(harness, "candidate") == version
     # The next refresh trains on these labels again even though this refresh was not promoted; this one
     # also holds a quarter of its fresh training prompts back to choose the epoch it keeps.
-    validated = refresh_config(name, "refresh.keep_old_pairs=true", "refresh.old_pairs_ratio=0.5",
-                               "refresh.validation_fraction=0.25")
-    again = run_rm_refresh(validated, 2, inputs.policy, old.uri, inputs.judge, inputs.train, inputs.heldout_flipped,
-                           inputs.prompts, str(tmp_path), parent_id, earlier_pairs=[result.pairs_path])
-    n = again.metrics
+    validated = Config.of(refresh_config("refresh.keep_old_pairs=true", "refresh.old_pairs_ratio=0.5",
+                                         "refresh.validation_fraction=0.25"), 2)
+    assert validated.training.select_best_epoch and not cfg.training.select_best_epoch
+    again, second = refresh(harness, "rm-refresh-2", validated, inputs, inputs.data_flipped, earlier=(kept,))
+    n = second.metrics
     assert n["refresh/n_earlier_refresh_pairs"] == m["refresh/n_train_new"] > 0 and m["refresh/n_validation"] == 0
     wanted = round(0.5 * (n["refresh/n_train_new"] + n["refresh/n_earlier_refresh_pairs"]))
     assert n["refresh/n_old_replayed"] == min(wanted, len(read_pairs(inputs.train)))  # at most all old pairs
@@ -277,50 +300,82 @@ def test_a_refresh_that_loses_held_out_accuracy_is_registered_but_not_promoted(
     assert n["refresh/n_new_pairs"] == fresh
     assert n["refresh/n_validation"] >= 10 and n["refresh/best_epoch"] in range(7) and m["refresh/best_epoch"] == 6
     # validation pairs are saved with the refresh-train pairs: later refreshes train on every label
-    saved = read_parquet(again.pairs_path, PREFERENCE_PAIRS)
+    saved = read_parquet(again.path(second.train_pairs), PREFERENCE_PAIRS)
     assert len(saved) == n["refresh/n_train_new"] + n["refresh/n_validation"]
-    history = MlflowClient().get_metric_history(again.mlflow_run_id, "refresh/eval/loss")
-    assert history[0].step == 0 and len(history) >= 7  # validation loss before training and after each epoch
+    assert again.record.inputs["earlier"] == [kept.identity()]  # the earlier refresh is part of the key
+    history = MlflowClient().get_metric_history(harness.mlflow_run("rm-refresh-2").info.run_id, "refresh/eval/loss")
+    assert min(h.step for h in history) == 0 and len(history) >= 7  # validation loss before training, each epoch
 
 
-def test_file_annotator_exports_then_trains_on_the_returned_labels(inputs: SimpleNamespace, parent_id: str,
-                                                                  tmp_path: Path) -> None:
-    config = refresh_config("refresh-file", "refresh.annotator=file")
+def test_file_annotator_exports_then_the_same_stage_with_labels_file_trains_on_them(
+        harness: StageHarness, inputs: SimpleNamespace, tmp_path: Path) -> None:
+    label = "rm-refresh-2-file"
+    cfg = Config.of(refresh_config("refresh.annotator=file"), 2)
+    stage_inputs = Inputs.of(cfg, inputs.data, inputs.policy, inputs.proxy, inputs.judge)
+    assert stage_inputs.judge is None and cfg.labels_file is None  # people label; no judge model is read
     with pytest.raises(LabelsPendingError, match="refresh.labels_file=") as caught:
-        run_rm_refresh(config, 2, inputs.policy, inputs.proxy, inputs.judge, inputs.train, inputs.heldout,
-                       inputs.prompts, str(tmp_path), parent_id)
-    exported = caught.value.exported_path
-    assert exported == str(tmp_path / "iter_002" / "unlabelled_pairs.csv") and exported in str(caught.value)
+        harness.run(rm_refresh, label, cfg, stage_inputs)
+    exported = Path(caught.value.exported_path)
+    assert exported.name == "unlabelled_pairs.csv" and str(exported) in str(caught.value)
+    assert not is_transient(caught.value)  # Prefect does not retry it: only people can help
+    assert harness.store.layout.work in exported.parents  # a scratch folder of the store, not the artifact's
+    assert (exported.parent / rm_refresh.SKIPPED_FILE).is_file()
+    pending = harness.active.stage(label)
+    assert pending.status == "failed" and pending.error.startswith("LabelsPendingError: ")
+    assert harness.store.artifact(rm_refresh.NAME, pending.key) is None
     frame = pd.read_csv(exported, keep_default_na=False)
     assert len(frame) >= 60 and set(frame["label"]) == {""}
     # people label with the judge's preferences; two rows are left empty
-    judge = RewardModelJudge(load_reward_model(inputs.judge).eval(), word_tokenizer(), max_length=64)
+    judge = RewardModelJudge(load_reward_model(inputs.judge_dir).eval(), word_tokenizer(), max_length=64)
     pairs = [ReplyPair(*row) for row in frame[["prompt", "reply_a", "reply_b"]].itertuples(index=False)]
     frame["label"] = ["a" if a else "b" for a in judge.label(pairs)]
     frame.loc[[3, 7], "label"] = ""
     frame.to_csv(tmp_path / "labelled_2.csv", index=False)
-    resumed = replace(config, refresh=replace(config.refresh, labels_file=str(tmp_path / "labelled_{iteration}.csv")))
-    result = run_rm_refresh(resumed, 2, inputs.policy, inputs.proxy, inputs.judge, inputs.train, inputs.heldout,
-                            inputs.prompts, str(tmp_path), parent_id)
-    m = result.metrics  # measured: on-policy accuracy 0.000 -> 0.800 (45 eval pairs), held-out 0.000 -> 0.854
+    # resumed with refresh.labels_file set ('{iteration}' filled in): the export it reads is the same file
+    resumed = Config.of(refresh_config("refresh.annotator=file", f"refresh.labels_file={tmp_path}/labelled_"
+                                       "{iteration}.csv"), 2)
+    assert resumed.labels_file == str(tmp_path / "labelled_2.csv")
+    assert rm_refresh._export_identity(resumed, stage_inputs) == rm_refresh._export_identity(cfg, stage_inputs)
+    artifact = harness.run(rm_refresh, label, resumed, stage_inputs)
+    result = rm_refresh.STAGE.result(artifact)
+    assert harness.active.stage(label).key != pending.key  # the labels are part of the key
+    m = result.metrics  # measured: on-policy accuracy 0.000 -> 0.851 (47 eval pairs), held-out 0.000 -> 1.000
     assert m["labels/rows_in"] == len(frame) and m["labels/quarantined"] == m["labels/quarantined/missing_label"] == 2
     assert m["refresh/n_new_pairs"] == m["labels/accepted"] == len(frame) - 2
     assert m["refresh/n_sampled"] == 144 == len(frame) + m["refresh/n_skipped"]  # skipped before the export
-    reasons = pd.read_parquet(result.quarantine_path)["reason"].value_counts().to_dict()
+    reasons = pd.read_parquet(artifact.path(result.quarantine))["reason"].value_counts().to_dict()
     assert reasons == {"missing_label": 2, **({"empty_text": m["refresh/n_skipped"]} if m["refresh/n_skipped"] else {})}
     assert m["refresh/onpolicy_accuracy_before"] <= 0.05 and m["refresh/onpolicy_accuracy_after"] >= 0.6
-    assert result.promoted and result.reward_model_uri == "models:/refresh-file/1"
+    assert result.promoted and alias(harness, CHAMPION) == registered(harness, label)
 
 
-def test_the_file_annotator_without_an_export_and_the_annotator_choice(inputs: SimpleNamespace,
+def test_the_file_annotator_without_an_export_and_the_annotator_choice(harness: StageHarness,
+                                                                      inputs: SimpleNamespace,
                                                                       tmp_path: Path) -> None:
-    config = refresh_config("unused", "refresh.annotator=file", f"refresh.labels_file={tmp_path}/labels.csv")
-    with pytest.raises(FileNotFoundError, match="exported no pairs at .*unlabelled_pairs.csv"):
-        run_rm_refresh(config, 1, inputs.policy, inputs.proxy, inputs.judge, inputs.train, inputs.heldout,
-                       inputs.prompts, str(tmp_path), "unused-parent")
-    simulated = build_annotator(load_config(preset="tiny", overrides=["refresh.annotator_temperature=0.5"]), 1, "x")
-    assert isinstance(simulated.labeller, SimulatedAnnotator) and simulated.labeller.temperature == 0.5
-    assert rm_refresh_task.name == "rm-refresh" and rm_refresh_task.retries == 1
+    cfg = Config.of(refresh_config("refresh.annotator=file", f"refresh.labels_file={tmp_path}/labels.csv"), 1)
+    policy = harness.model("ppo-iteration", inputs.policy_dir)  # a policy nothing was exported for
+    stage_inputs = Inputs.of(cfg, inputs.data, policy, inputs.proxy, inputs.judge)
+    with pytest.raises(FileNotFoundError, match=r"no pairs were exported for iteration 1 .*unlabelled_pairs\.csv"):
+        harness.run(rm_refresh, "rm-refresh-no-export", cfg, stage_inputs)
+    simulated = build_annotator(Config.of(load_config(preset="tiny", overrides=["refresh.annotator_temperature=0.5"]),
+                                          1), stage_inputs)
+    assert isinstance(simulated, PerPairAnnotator) and isinstance(simulated.labeller, SimulatedAnnotator)
+    assert simulated.labeller.temperature == 0.5
+    with pytest.raises(ValueError, match="labels through files"):
+        build_annotator(cfg, stage_inputs)
+    assert rm_refresh.rm_refresh_task.name == "rm-refresh" and rm_refresh.rm_refresh_task.retries == 1
+
+
+def test_config_slice_reads_the_refresh_section_and_only_the_judge_settings_it_needs() -> None:
+    judged = Config.of(refresh_config("refresh.epochs=3", "reward_model.training.seed=7"), 4)
+    assert (judged.iteration, judged.training.epochs, judged.training.seed) == (4, 3, 7 + 4)
+    assert (judged.judge_max_length, judged.judge_batch_size) == (64, refresh_config().eval.batch_size)
+    simulated = Config.of(load_config(preset="tiny"), 4)
+    assert (simulated.judge_max_length, simulated.judge_batch_size, simulated.labels_file) == (None, None, None)
+    assert simulated.gold  # the tiny preset is the demo task
+
+
+# --------------------------------------------------------------------------------------------- pure rules
 
 
 def test_promotion_rule() -> None:
@@ -351,5 +406,35 @@ def test_split_by_prompt_keeps_each_prompt_on_one_side() -> None:
     assert len(train) + len(held) == 30 and {r["prompt"] for r in held} and {r["prompt"] for r in train}
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     assert len({r["prompt"] for r in held}) == 2  # round(0.3 * 7)
+    assert split_by_prompt(records, 0.3, seed=4) == (train, held)  # seeded
+    _, tiny = split_by_prompt(records[:2], 0.01, seed=0)
+    assert len(tiny) == 1  # at least one prompt is held, at least one kept
     with pytest.raises(ValueError, match="at least 2 prompts"):
         split_by_prompt(records[:1], 0.3, seed=0)
+
+
+def test_draw_prompts_repeats_only_when_there_are_too_few() -> None:
+    prompts = [f"p{i}" for i in range(5)]
+    drawn = draw_prompts(prompts, 3, random.Random(0))
+    assert len(drawn) == len(set(drawn)) == 3 and set(drawn) <= set(prompts)
+    assert draw_prompts(prompts, 3, random.Random(0)) == drawn  # seeded
+    cycled = draw_prompts(prompts, 12, random.Random(1))
+    assert len(cycled) == 12 and set(cycled[:5]) == set(cycled[5:10]) == set(prompts)  # whole rounds, each shuffled
+
+
+def test_replay_sample_takes_ratio_times_the_fresh_pairs_at_most_all() -> None:
+    old = [PreferencePair(f"q{i}", " good", " bad") for i in range(10)]
+    sample = replay_sample(old, n_new=6, ratio=0.5, seed=3)
+    assert len(sample) == 3 and len(set(sample)) == 3 and set(sample) <= set(old)
+    assert replay_sample(old, n_new=6, ratio=0.5, seed=3) == sample  # seeded
+    assert sorted(replay_sample(old, n_new=40, ratio=1.0, seed=3), key=lambda p: p.prompt) == \
+        sorted(old, key=lambda p: p.prompt)
+    assert replay_sample(old, n_new=5, ratio=0.0, seed=3) == []
+
+
+def test_training_config_and_seed_of_a_refresh() -> None:
+    base = RewardTrainingConfig(epochs=4, learning_rate=1e-4, seed=5, batch_size=16)
+    cfg = training_config(base, iteration=3, epochs=2, learning_rate=None, select_best_epoch=True)
+    assert (cfg.epochs, cfg.learning_rate, cfg.seed, cfg.select_best_epoch, cfg.batch_size) == (2, 1e-4, 8, True, 16)
+    assert training_config(base, 3, 2, 3e-3, False).learning_rate == 3e-3
+    assert refresh_seed(7, 3) == 7003 and refresh_seed(7, 3) != refresh_seed(7, 4)

@@ -23,6 +23,13 @@ ADAPTER_ONLY = frozenset({"deepspeed", "peft"})
 ADAPTERS = frozenset({"rlhf_core/distributed/zero.py", "rlhf_core/models/lora.py"})
 #: I/O, orchestration and upper layers that the pure core must never see.
 CORE_FORBIDDEN = frozenset({"prefect", "mlflow", "pandas", "pyarrow", "tasks", "flows"})
+#: One module per stage in tasks/; a stage never imports another (what two share lives in an adapter module).
+STAGE_MODULES = frozenset({"tasks.data_prep", "tasks.sft", "tasks.reward_model", "tasks.best_of_n",
+                           "tasks.ppo_iteration", "tasks.heldout_eval", "tasks.rm_refresh"})
+#: The one package that talks to MLflow.
+TRACKING_ADAPTER = "tasks/tracking/"
+#: Never unpickle anything: records are JSON, checkpoints safetensors + JSON.
+PICKLERS = frozenset({"pickle", "cloudpickle", "dill", "joblib"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ def imported_modules(tree: ast.AST, rel_path: str) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 yield node.lineno, node.module or ""
+                if (node.module or "").split(".")[0] in LAYERS:  # ``from tasks import sft``: names may be modules
+                    yield from ((node.lineno, f"{node.module}.{alias.name}") for alias in node.names)
                 continue
             base = resolve_relative(current, is_package, node.level, node.module)
             if node.module:
@@ -95,6 +104,15 @@ def rule_for(rel_path: str, module: str) -> str | None:
             return f"{top} may be imported only in the adapters {sorted(ADAPTERS)}; import the adapter instead"
     if layer == "tasks" and top == "flows":
         return "tasks must not import flows (flows compose tasks, never the other way round)"
+    if top in PICKLERS:
+        return "no pickles anywhere: state records are JSON, tensors safetensors (a pickle runs code when loaded)"
+    if top == "mlflow" and layer in ("tasks", "flows") and not rel_path.startswith(TRACKING_ADAPTER):
+        return f"every MLflow call goes through {TRACKING_ADAPTER}; add the helper there"
+    this = rel_path[: -len(".py")].replace("/", ".")
+    stage_of = next((m for m in STAGE_MODULES if module == m or module.startswith(m + ".")), None)
+    if this in STAGE_MODULES and stage_of is not None and stage_of != this:
+        return (f"stage modules never import each other ({this} -> {stage_of}); move what they share into an "
+                "adapter module (tasks/io.py, tasks/models.py, tasks/judging.py, ...)")
     return None
 
 
@@ -109,6 +127,9 @@ def check_source(source: str, rel_path: str) -> list[Violation]:
         reason = rule_for(rel_path, module)
         if reason is not None:
             violations.append(Violation(rel_path, line, module, reason))
+    # ``from x import y`` is seen as x and x.y: report the import once, by its shortest breaking name.
+    violations = [v for v in violations if not any(o.line == v.line and v.module.startswith(o.module + ".")
+                                                   for o in violations)]
     return sorted(violations, key=lambda v: (v.path, v.line, v.module))
 
 
@@ -160,6 +181,12 @@ def test_the_walk_sees_the_core_modules():
         ("tasks/train.py", "import infra.deepspeed\n", 1, "infra.deepspeed"),
         ("flows/pipeline.py", "from infra import settings\n", 1, "infra"),
         ("rlhf_core/foo.py", "import infra\n", 1, "infra"),
+        ("tasks/sft.py", "from tasks.data_prep import prepare\n", 1, "tasks.data_prep"),
+        ("tasks/heldout_eval.py", "from tasks import best_of_n\n", 1, "tasks.best_of_n"),
+        ("tasks/reward_model.py", "from mlflow import MlflowClient\n", 1, "mlflow"),
+        ("flows/commands.py", "import mlflow\n", 1, "mlflow"),
+        ("tasks/run_store/runs.py", "import pickle\n", 1, "pickle"),
+        ("flows/pipeline.py", "import cloudpickle\n", 1, "cloudpickle"),
     ],
 )
 def test_checker_flags_synthetic_violation(rel_path, source, line, module):
@@ -177,8 +204,10 @@ def test_checker_flags_synthetic_violation(rel_path, source, line, module):
         ("rlhf_core/distributed/zero.py", "import deepspeed\n"),
         ("rlhf_core/models/lora.py", "from peft import LoraConfig, get_peft_model\n"),
         ("rlhf_core/demo/x.py", "from ..ppo.masking import masked_mean\nfrom . import data\n"),
-        ("tasks/train.py", "import mlflow\nimport pandas as pd\nimport pyarrow.parquet\nfrom rlhf_core import ppo\n"),
-        ("flows/pipeline.py", "from tasks import train\nimport prefect\n"),
+        ("tasks/tracking/registry.py", "import mlflow\nfrom mlflow import MlflowClient\n"),
+        ("tasks/train.py", "import pandas as pd\nimport pyarrow.parquet\nfrom rlhf_core import ppo\n"),
+        ("tasks/sft.py", "from tasks.io import read_parquet\nfrom tasks.stage import Stage\n"),
+        ("flows/pipeline.py", "from tasks import train\nimport prefect\nfrom tasks import sft, best_of_n\n"),
     ],
 )
 def test_checker_allows_legal_imports(rel_path, source):

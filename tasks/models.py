@@ -1,0 +1,87 @@
+"""Loading the models stages run, the same way in every stage (and in DeepSpeed workers).
+
+Shared by the stage modules so that no stage imports another: frozen language models and reward-model scorers for
+the evaluation stages, the four PPO roles for ppo-iteration and its workers, and tokenized PPO prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.config import PPOConfig
+from rlhf_core.models.lora import LoRACritic, lora_policy
+from rlhf_core.models.roles import Critic, ValueHead, freeze, load_policy, load_reward_model, make_reference
+from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.text import encode_prompt, pad_id
+from rlhf_core.training.experience import PPOModels
+from tasks.runtime import Runtime
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tokenizer_of(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved next to a model, or None when the folder holds none."""
+    folder = Path(model_dir)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_frozen_lm(runtime: Runtime, folder: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A frozen causal LM (eval mode, no dropout, no gradients) and its folder's tokenizer."""
+    model = load_policy(str(folder), runtime.torch_dtype).to(runtime.torch_device)
+    return freeze(model), tokenizer_of(folder)
+
+
+def reward_scorer(runtime: Runtime, folder: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int,
+                  batch_size: int) -> RewardModelScorer:
+    """A frozen reward model as a scorer of policy rollouts (re-tokenizing when its tokenizer differs)."""
+    model = load_reward_model(str(folder), runtime.torch_dtype).to(runtime.torch_device)
+    return RewardModelScorer(freeze(model), tokenizer, tokenizer_of(folder), max_length, batch_size)
+
+
+def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_dir: str | Path,
+                     reward_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> PPOModels:
+    """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model.
+
+    With ``config.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
+    model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
+    of base weights instead of four.
+    """
+    device, dtype, lora = runtime.torch_device, runtime.torch_dtype, config.lora
+    policy = load_policy(str(reference_dir), dtype).to(device)
+    hidden_size = policy.config.hidden_size
+    reward_model = load_reward_model(str(reward_dir), dtype).to(device)
+    rm_tokenizer = AutoTokenizer.from_pretrained(str(reward_dir))
+    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.micro_batch_size)
+    policy, reference = lora_policy(policy, lora, seed) if lora.enabled else (policy, make_reference(policy))
+    common = dict(policy=policy, reference=reference, scorer=scorer,
+                  stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
+    if config.value_model == "critic":
+        critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
+        return PPOModels(**common, critic=critic.to(device))
+    return PPOModels(**common, value_head=ValueHead(hidden_size, seed=seed).to(device))
+
+
+def max_positions(model: PreTrainedModel) -> int:
+    """Positions the model takes (``n_positions`` for GPT-2, ``max_position_embeddings`` otherwise)."""
+    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+
+
+def tokenize_prompts(prompts: Sequence[str], source: str, tokenizer: PreTrainedTokenizerBase,
+                     max_prompt_tokens: int) -> list[list[int]]:
+    """Tokenized PPO prompts; prompts longer than the model can take next to its reply fail clearly."""
+    if not prompts:
+        raise ValueError(f"PPO prompt table {source} is empty; data-prep put no prompts in the PPO split")
+    ids = [encode_prompt(tokenizer, text) for text in prompts]
+    too_long = [i for i, prompt in enumerate(ids) if len(prompt) > max_prompt_tokens]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} prompts in {source} (first: row {too_long[0]}) are longer than {max_prompt_tokens} "
+            "tokens, which leaves no room for ppo.generation.max_new_tokens within the model's positions; "
+            "lower data.prep.max_length or ppo.generation.max_new_tokens"
+        )
+    return ids

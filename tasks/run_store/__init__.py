@@ -1,0 +1,297 @@
+"""The run store: the one owner of the state folder (layout in :mod:`tasks.run_store.layout`).
+
+- **Artifacts** (:mod:`.artifacts`): a stage's outputs, content-addressed by a key derived from its config slice,
+  its inputs and the code (:mod:`.keys`); computed under a per-key claim, published atomically, never changed.
+- **Runs** (:mod:`.runs`): a JSON record per run that refers to artifacts by key. One writer per run: whoever
+  holds its lock (:meth:`RunStore.hold`); the lock doubles as liveness, so a killed run is found and marked
+  ``crashed``.
+
+    store = RunStore(".rlhf_state").ensure()
+    record = store.create_run("demo", config_yaml)
+    with store.hold(record.run_id, "rlhf run") as run:        # RunLockedError if another process holds it
+        art = store.artifact("sft", key)                       # None when not computed yet
+        with store.claim("sft", key, run.run_id) as claim:     # waits while another run computes that key
+            ...write into claim.staging...
+            art = claim.publish(result, config_slice, inputs)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.run_store.artifacts import Artifact, ArtifactError, ArtifactPart, Claim, read_artifact
+from tasks.run_store.keys import LocalPath, ModelSource, code_version, stage_key
+from tasks.run_store.layout import CONFIG_FILE, FORMAT_VERSION, RUN_LOCK, SUMMARY_FILE, Layout, LayoutError
+from tasks.run_store.locks import FileLock, Holder, LockBusy, holder_if_alive, now_iso
+from tasks.run_store.runs import RunRecord, RunStatus, StageEntry, new_run_id
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+__all__ = ["LATEST", "ActiveRun", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath", "ModelSource",
+           "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError", "code_version", "new_run_id",
+           "stage_key"]
+
+
+class StateError(LookupError):
+    """A run that is missing, unreadable or busy; the message names it and what to do."""
+
+
+class RunLockedError(StateError):
+    """Another live process holds the run (one writer per run)."""
+
+
+def _write_text(path: Path, text: str) -> None:
+    from tasks.io import atomic_write  # the one atomic write of the project
+
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+class RunStore:
+    """The state folder: artifacts, work folders and run records (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.layout = Layout(root)
+        self.moved_from: str | None = None
+        """The folder's previous location when it was moved or copied since the last run (see :meth:`ensure`)."""
+
+    @property
+    def root(self) -> Path:
+        return self.layout.root
+
+    def __repr__(self) -> str:
+        return f"RunStore({str(self.root)!r})"
+
+    def ensure(self) -> RunStore:
+        """Create the folders; notice (``moved_from``) when the folder was moved or copied since its last use.
+
+        A move is settled (:meth:`settle_move`) once what holds absolute paths (MLflow's local store) was rebased.
+        """
+        for folder in (self.layout.runs, self.layout.artifacts, self.layout.work, self.layout.mlartifacts,
+                       self.layout.prefect_home):
+            folder.mkdir(parents=True, exist_ok=True)
+        state = self.layout.state_file
+        try:
+            known = json.loads(state.read_text(encoding="utf-8")) if state.is_file() else {}
+        except ValueError:
+            known = {}
+        previous = known.get("root") if isinstance(known, dict) else None
+        if previous is None:
+            self.settle_move()
+        elif previous != str(self.root):
+            self.moved_from = previous
+        return self
+
+    def settle_move(self) -> None:
+        """Record the folder's current place (after a move, once MLflow's local store has been rebased)."""
+        _write_text(self.layout.state_file, json.dumps({"format": FORMAT_VERSION, "root": str(self.root)}) + "\n")
+        self.moved_from = None
+
+    @contextmanager
+    def initializing(self) -> Iterator[None]:
+        """Serialise the creation of shared databases (MLflow's, Prefect's) between processes starting together."""
+        lock = FileLock(self.layout.init_lock, "initialising the state folder")
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        lock.acquire(blocking=True)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    # ----------------------------------------------------------------------------------------- artifacts
+
+    def artifact(self, stage: str, key: str) -> Artifact | None:
+        """The published artifact of ``stage``/``key`` or None; ArtifactError when its record is damaged."""
+        return read_artifact(self.layout, stage, key)
+
+    @contextmanager
+    def claim(self, stage: str, key: str, run_id: str) -> Iterator[Claim]:
+        """Hold the right to compute ``stage``/``key`` (waits while another process computes it). Check
+        :meth:`artifact` again inside: the other process may have published it meanwhile."""
+        claim = Claim(self.layout, stage, key, run_id).acquire()
+        try:
+            yield claim
+        finally:
+            claim.release()
+
+    def scratch_dir(self, name: str, key: str) -> Path:
+        """A work folder of its own (``work/<name>/<key>``, created) that no publication clears."""
+        folder = self.layout.work_dir(name, key)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    # ----------------------------------------------------------------------------------------- runs
+
+    def config_file(self, run_id: str) -> Path:
+        """The run's resolved config (YAML), written once when the run is created."""
+        return self.layout.run_file(run_id, CONFIG_FILE)
+
+    def summary_file(self, run_id: str) -> Path:
+        return self.layout.run_file(run_id, SUMMARY_FILE)
+
+    def write_summary(self, run_id: str, summary: dict) -> Path:
+        """The run's ``summary.json`` (written atomically); returns its path."""
+        path = self.summary_file(run_id)
+        _write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        return path
+
+    def create_run(self, name: str, config_yaml: str, run_id: str | None = None) -> RunRecord:
+        """A new 'running' record with its resolved config; StateError if ``run_id`` exists already."""
+        record = RunRecord(run_id=run_id or new_run_id(), name=name)
+        folder = self.layout.run_dir(record.run_id)
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            raise StateError(f"run {record.run_id} exists already under {self.layout.runs}") from None
+        _write_text(self.config_file(record.run_id), config_yaml)
+        self._save(record)
+        return record
+
+    def replace_config(self, run_id: str, config_yaml: str) -> Path:
+        """Amend a run's config (``rlhf resume KEY=VALUE``); the previous one is kept as ``config.<n>.yaml``."""
+        current = self.config_file(run_id)
+        n = 1
+        while current.with_name(f"config.{n}.yaml").exists():
+            n += 1
+        current.rename(current.with_name(f"config.{n}.yaml"))
+        _write_text(current, config_yaml)
+        return current
+
+    def exists(self, run_id: str) -> bool:
+        return self.layout.run_file(run_id).is_file()
+
+    def load_run(self, run_id: str) -> RunRecord:
+        """The record of ``run_id`` ('latest' = newest); StateError lists the existing ids when it is missing."""
+        if run_id == LATEST:
+            runs = self.list_runs()
+            if not runs:
+                raise StateError(f"no runs under {self.layout.runs} yet; start one with `rlhf run` or `rlhf demo`")
+            return runs[0]
+        try:
+            path = self.layout.run_file(run_id)
+        except LayoutError as err:
+            raise StateError(str(err)) from None
+        if not path.is_file():
+            known = [r.run_id for r in self.list_runs()]
+            listing = ", ".join(known[:20]) + (f" (and {len(known) - 20} more)" if len(known) > 20 else "")
+            raise StateError(f"no run {run_id!r} under {self.layout.runs}; "
+                             + (f"existing runs (newest first): {listing}" if known else "there are no runs yet"))
+        return self._read(path)
+
+    def list_runs(self, reconcile: bool = True) -> list[RunRecord]:
+        """Every run, newest first; with ``reconcile``, runs whose process died are marked 'crashed' first."""
+        if not self.layout.runs.is_dir():
+            return []
+        records = [self._read(p) for p in self.layout.runs.glob("*/run.json")]
+        if reconcile:
+            records = [self.reconcile(r) for r in records]
+        return sorted(records, key=lambda r: (r.created, r.run_id), reverse=True)
+
+    def holder(self, run_id: str) -> Holder | None:
+        """The live process holding the run, or None."""
+        return holder_if_alive(self.layout.run_file(run_id, RUN_LOCK))
+
+    @contextmanager
+    def hold(self, run_id: str, purpose: str) -> Iterator[ActiveRun]:
+        """Be the run's only writer while inside (with a heartbeat); RunLockedError names the live holder."""
+        lock = FileLock(self.layout.run_file(run_id, RUN_LOCK), purpose)
+        try:
+            lock.acquire()
+        except LockBusy as busy:
+            who = busy.holder.describe() if busy.holder else "another process"
+            raise RunLockedError(f"run {run_id} is in use by {who}; wait for it to end, or stop that process "
+                                 "first (a killed holder frees the run at once)") from None
+        lock.start_heartbeat()
+        try:
+            yield ActiveRun(self, self.load_run(run_id))
+        finally:
+            lock.release()
+
+    def end_run(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
+        """Mark a run that nobody holds any more as ``status`` (Prefect's failure / crash hooks, ``rlhf runs``).
+
+        Only a 'running' record changes, and only while no live process holds the run; True when it changed.
+        """
+        lock = FileLock(self.layout.run_file(run_id, RUN_LOCK), f"marking run {run_id} {status}")
+        try:
+            lock.acquire()
+        except LockBusy:
+            return False
+        try:
+            record = self.load_run(run_id)
+            if record.status != "running":
+                return False
+            self._set_status(record, status, error)
+            return True
+        finally:
+            lock.release()
+
+    def reconcile(self, record: RunRecord) -> RunRecord:
+        """A 'running' record whose process is gone becomes 'crashed' (saved); other records come back as they are."""
+        if record.status == "running" and self.holder(record.run_id) is None:
+            if self.end_run(record.run_id, "crashed", "the process running it stopped without a word (killed?); "
+                                                      f"continue with `rlhf resume {record.run_id}`"):
+                return self.load_run(record.run_id)
+        return record
+
+    def _set_status(self, record: RunRecord, status: RunStatus, error: str | None = None) -> None:
+        """The one place a run's status is written."""
+        record.status, record.error = status, error
+        record.ended = None if status == "running" else now_iso()
+        self._save(record)
+        log.debug("run %s is %s", record.run_id, status)
+
+    def _save(self, record: RunRecord) -> None:
+        _write_text(self.layout.run_file(record.run_id), record.to_json())
+
+    def _read(self, path: Path) -> RunRecord:
+        try:
+            return RunRecord.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
+            raise StateError(f"{path} is not a valid run record ({type(err).__name__}: {err}); delete {path.parent} "
+                             "if the run is not needed") from err
+
+
+class ActiveRun:
+    """A run this process holds: the only writer of its record while :meth:`RunStore.hold` lasts."""
+
+    def __init__(self, store: RunStore, record: RunRecord) -> None:
+        self.store, self.record = store, record
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+    def save(self) -> None:
+        self.store._save(self.record)
+
+    def set_status(self, status: RunStatus, error: str | None = None) -> None:
+        self.store._set_status(self.record, status, error)
+
+    def stage(self, label: str) -> StageEntry | None:
+        return self.record.stages.get(label)
+
+    def stage_started(self, label: str, stage: str, key: str, cached_from: str | None = None) -> StageEntry:
+        """Record that ``label`` now works on ``key``; an entry of the same key keeps its MLflow run and models."""
+        previous = self.record.stages.get(label)
+        same = previous is not None and previous.key == key
+        entry = StageEntry(stage, key, "running", cached_from,
+                           previous.mlflow_run_id if same else None, dict(previous.models) if same else {})
+        self.record.stages[label] = entry
+        self.save()
+        return entry
+
+    def stage_update(self, label: str, **changes: object) -> StageEntry:
+        """Change fields of a stage entry (status, mlflow_run_id, models, error) and save."""
+        entry = self.record.stages[label]
+        for name, value in changes.items():
+            setattr(entry, name, value)
+        entry.updated = now_iso()
+        self.save()
+        return entry

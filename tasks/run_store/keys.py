@@ -1,0 +1,153 @@
+"""Artifact keys: a digest of exactly what a stage is given, derived from its typed config slice and its inputs.
+
+    key = sha256(stage name, code version, canonical(config slice), identities of the inputs[, rerun number])
+
+Nothing is listed by hand: the config part is the whole slice object the stage function receives (every field
+of it, recursively), so a setting the stage can read is in its key and a setting it cannot read is not.
+Inputs are other artifacts (identified by their own key, which already covers everything upstream) or files
+outside the state folder (identified by their content). Config fields that name local files are declared with
+:data:`LocalPath` / :data:`ModelSource` and enter the key by content too, so editing a data file reruns data-prep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from collections.abc import Callable, Mapping
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+KEY_LENGTH = 20
+"""Hex digits of a key (80 bits)."""
+CONTENT_HASH_LIMIT = 256 * 1024 * 1024
+"""Files larger than this are identified by size and modification time instead of content (multi-GB weights)."""
+CODE_PACKAGES = ("rlhf_core", "tasks")
+"""Packages whose source is part of every key: a code change reruns what it may change."""
+
+
+class _PathMark:
+    """Marks a config field whose value names a local file or folder (or a URI)."""
+
+    def __repr__(self) -> str:
+        return "LocalPath"
+
+
+class _ModelMark(_PathMark):
+    """Marks a config field that names a model: a local folder, a ``models:/`` URI or a Hugging Face id."""
+
+    def __repr__(self) -> str:
+        return "ModelSource"
+
+
+PATH_MARK, MODEL_MARK = _PathMark(), _ModelMark()
+LocalPath = Annotated[str, PATH_MARK]
+"""A config value naming a local file or folder (or a URI): it enters keys by content."""
+ModelSource = Annotated[str, MODEL_MARK]
+"""A config value naming a model; a local folder enters keys by content, a ``models:/`` URI by registry version."""
+
+ModelResolver = Callable[[str], str]
+"""Identity of a ``models:/`` URI (e.g. 'models:/rm/3 <source>'), given by the tracking adapter."""
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Digest of every .py file of the algorithm and task packages."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for package in CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (size and mtime beyond ``CONTENT_HASH_LIMIT``)."""
+    stat = path.stat()
+    if stat.st_size > CONTENT_HASH_LIMIT:
+        return f"size={stat.st_size};mtime={stat.st_mtime_ns}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def path_digest(path: str | os.PathLike[str]) -> str:
+    """Digest of a file, or of every file under a folder (names included)."""
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    digest = hashlib.sha256()
+    for child in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(child.relative_to(path).as_posix().encode())
+        digest.update(file_digest(child).encode())
+    return digest.hexdigest()
+
+
+def external_identity(value: str, model: bool, resolve_model: ModelResolver | None) -> Any:
+    """How a path-like config value enters a key: content digest when it exists locally, the registry version for
+    a ``models:/`` URI, else the text itself (a Hugging Face id, a remote URI, 'sft', 'scratch')."""
+    if model and value.startswith("models:/"):
+        return resolve_model(value) if resolve_model is not None else value
+    if "://" not in value and os.path.exists(value):
+        return {"path": value, "digest": path_digest(value)}
+    return value
+
+
+def _marks(hint: Any) -> _PathMark | None:
+    """The path mark inside a type hint (``LocalPath``, ``LocalPath | None``, ``tuple[LocalPath, ...]``)."""
+    if typing.get_origin(hint) is Annotated:
+        return next((m for m in typing.get_args(hint)[1:] if isinstance(m, _PathMark)), None)
+    for arg in typing.get_args(hint):
+        found = _marks(arg)
+        if found is not None:
+            return found
+    return None
+
+
+@lru_cache(maxsize=None)
+def _field_marks(cls: type) -> dict[str, _PathMark]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: mark for f in dataclasses.fields(cls) if (mark := _marks(hints[f.name])) is not None}
+
+
+def canonical(value: Any, resolve_model: ModelResolver | None = None, mark: _PathMark | None = None) -> Any:
+    """JSON-able, order-independent form of a config slice or an input, with local paths replaced by content."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        identity = getattr(value, "identity", None)
+        if callable(identity):  # an artifact handle (or anything that names itself)
+            return identity()
+        marks = _field_marks(type(value))
+        return {f.name: canonical(getattr(value, f.name), resolve_model, marks.get(f.name))
+                for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v, resolve_model, mark) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v, resolve_model, mark) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, str) and mark is not None:
+        return external_identity(value, isinstance(mark, _ModelMark), resolve_model)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    identity = getattr(value, "identity", None)
+    if callable(identity):
+        return identity()
+    raise TypeError(f"cannot put a {type(value).__name__} into an artifact key: {value!r}")
+
+
+def stage_key(stage: str, config: Any, inputs: Mapping[str, Any], rerun: int = 0,
+              resolve_model: ModelResolver | None = None) -> str:
+    """The artifact key of one stage call. ``rerun`` > 0 (``rlhf stage``) gives a fresh key for the same work."""
+    payload = {"stage": stage, "code": code_version(), "config": canonical(config, resolve_model),
+               "inputs": canonical(dict(inputs), resolve_model)}
+    if rerun:
+        payload["rerun"] = rerun
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:KEY_LENGTH]

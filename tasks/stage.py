@@ -1,0 +1,247 @@
+"""The stage contract, and the one way every stage runs.
+
+A stage module (tasks/data_prep.py, tasks/sft.py, ...) defines:
+
+    Config     frozen dataclass: the config slice the stage is given, built by ``Config.of(pipeline_config, ...)``.
+               Its key covers every field, so the stage cannot read a setting that is not in its key.
+    Inputs     frozen dataclass of the artifacts (``Artifact`` / ``ArtifactPart``) it reads.
+    Result     dataclass of plain values: the artifact's JSON record (paths relative to the artifact folder).
+    compute(cfg, inputs, ctx) -> Result     writes the artifact's files into ``ctx.out``; live metrics via ctx.tracker
+    publish(cfg, artifact, pub) -> None     this run's MLflow view: final metrics, files, registered models, aliases
+    STAGE = Stage(NAME, compute, publish, Result);  <name>_task = stage_task(STAGE, retries=...)
+
+:func:`run_stage` derives the key from (stage, Config, Inputs, code, rerun number), reuses the published artifact
+or computes it under the key's claim, then publishes it for this run: once, idempotently, with lineage tags, in a
+nested MLflow run. Every step lands in the run record, so a resume, a Prefect retry and a cached rerun all end
+with the same artifacts, the same lineage and no duplicate model versions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from prefect import Task, task
+
+from tasks import tracking
+from tasks.retries import retry_on_transient_io
+from tasks.run_store import ActiveRun, Artifact, RunStore, stage_key
+from tasks.tracking import ModelRef, StageTracker
+
+if TYPE_CHECKING:
+    from tasks.config import TrackingSection
+
+log = logging.getLogger(__name__)
+
+METRICS_LOG = "metrics.jsonl"
+"""The stage's live metrics, kept in its artifact (replayed into the MLflow run of a later run that reuses it)."""
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What ``compute`` gets besides its config slice and inputs."""
+
+    out: Path
+    """The artifact's folder while it is written (published as a whole when compute returns)."""
+    work: Path
+    """This key's work folder: kept when an attempt fails (checkpoints to resume from), cleared on publication."""
+    tracker: StageTracker
+    """Live metrics into the stage's MLflow run (and selected curves into the pipeline's parent run)."""
+    label: str
+    """'sft', 'ppo-iteration-2', ...: the stage's name in this run."""
+    stage: str
+    store: RunStore
+
+    def scratch(self, kind: str, identity: Any) -> Path:
+        """A folder that outlives this stage's attempts and keys, named by a digest of ``identity``: for what must
+        survive a change of config, e.g. pairs exported for people to label before the labels file is known."""
+        return self.store.scratch_dir(f"{self.stage}-{kind}", stage_key(f"{self.stage}-{kind}", identity, {}))
+
+
+@dataclass(frozen=True)
+class Stage(Generic[R]):
+    """One stage: its name, compute and publish functions and its result type."""
+
+    name: str
+    compute: Callable[[Any, Any, StageContext], R]
+    publish: Callable[[Any, Artifact, Publication], None]
+    result_type: type[R]
+
+    def result(self, artifact: Artifact) -> R:
+        """The typed result record of one of this stage's artifacts."""
+        if artifact.stage != self.name:
+            raise ValueError(f"{artifact.identity()} is not a {self.name} artifact")
+        return self.result_type(**artifact.result)
+
+
+@dataclass
+class Runner:
+    """This run's side of every stage: the store, the run (held), the MLflow parent run and registry names."""
+
+    store: RunStore
+    run: ActiveRun
+    parent_run_id: str
+    names: TrackingSection
+    """Registered-model names (``tracking.*``): where this run publishes, not part of any key."""
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id
+
+
+class Publication:
+    """What ``publish`` may do for this run: log the artifact's results to MLflow and register its models."""
+
+    def __init__(self, runner: Runner, label: str, artifact: Artifact, mlflow_run_id: str,
+                 cached_from: str | None) -> None:
+        self.runner, self.label, self.artifact, self.mlflow_run_id = runner, label, artifact, mlflow_run_id
+        self.cached_from = cached_from
+        self.names = runner.names
+        self.models: dict[str, str] = {}
+        self._curves: set[str] | None = None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Final metrics of the stage; keys it already logged as curves while computing are left out (their last
+        point is the final value, and a second point at another step would bend the curve)."""
+        final = {k: v for k, v in metrics.items() if k not in self._curve_keys()}
+        if final:
+            tracking.log_metrics(self.mlflow_run_id, final, step)
+
+    def _curve_keys(self) -> set[str]:
+        if self._curves is None:
+            self._curves = tracking.logged_keys(self.artifact.folder / METRICS_LOG)
+        return self._curves
+
+    def log_params(self, params: Mapping[str, object]) -> None:
+        tracking.log_params_flat(params, self.mlflow_run_id)
+
+    def log_files(self, relatives: Sequence[str], artifact_path: str | None = None) -> None:
+        """Files (or folders) of the artifact, as MLflow artifacts of the stage run."""
+        for relative in relatives:
+            tracking.log_file(self.mlflow_run_id, self.artifact.path(relative), artifact_path)
+
+    def set_tags(self, tags: Mapping[str, object]) -> None:
+        tracking.set_tags(self.mlflow_run_id, {k: str(v) for k, v in tags.items()})
+
+    def register(self, role: str, name: str, folder: str | Path, aliases: Sequence[str] = ("candidate",)) -> ModelRef:
+        """Register a model folder (relative to the artifact, or an outside one the artifact chose) as a version
+        of ``name`` for this run (idempotent), tagged with the run id, stage, artifact key, role and, for a cached
+        stage, the run it came from."""
+        lineage = {"rlhf.run_id": self.runner.run_id, "rlhf.stage": self.label, "rlhf.role": role,
+                   "rlhf.artifact_key": self.artifact.identity(), "rlhf.produced_by": self.artifact.record.produced_by}
+        if self.cached_from:
+            lineage["rlhf.cached_from"] = self.cached_from
+        description = (f"{role} of rlhf run {self.runner.run_id}, stage {self.label}, artifact "
+                       f"{self.artifact.identity()}" + (f" (computed by run {self.cached_from})" if self.cached_from
+                                                        else ""))
+        path = Path(folder) if Path(folder).is_absolute() else self.artifact.path(str(folder))
+        ref = tracking.register_model(path, name, self.mlflow_run_id, lineage, aliases, description)
+        self.models[role] = ref.uri
+        return ref
+
+    def alias_version(self, name: str, alias: str) -> int | None:
+        return tracking.get_alias_version(name, alias)
+
+    def set_alias(self, name: str, alias: str, version: int) -> None:
+        tracking.set_alias(name, alias, version)
+
+    def registered_input(self, name: str, role: str) -> str | None:
+        """The ``models:/`` URI this run registered for ``role`` from the artifact behind input ``name`` (e.g. the
+        policy heldout-eval judged: the version its ppo-iteration registered); None when there is none."""
+        identity = str(self.artifact.record.inputs.get(name, ""))
+        for entry in self.runner.run.record.stages.values():
+            if (entry.status == "completed" and role in entry.models
+                    and (identity == f"{entry.stage}/{entry.key}" or identity.startswith(f"{entry.stage}/{entry.key}/"))):
+                return entry.models[role]
+        return None
+
+    def alias(self, uri: str, alias: str) -> ModelRef:
+        """Point ``alias`` of the model ``uri`` names at the version it names (``models:/name/version``)."""
+        ref = tracking.parse_model_uri(uri)
+        tracking.set_alias(ref.name, alias, ref.version)
+        return ref
+
+
+def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: Runner) -> Artifact:
+    """Reuse or compute the artifact of (``stage``, ``cfg``, ``inputs``) and publish it for this run."""
+    rerun = runner.run.record.rerun_of(label, stage.name)
+    key = stage_key(stage.name, cfg, shallow_fields(inputs), rerun, tracking.model_identity)
+    entry = runner.run.stage(label)
+    try:
+        artifact = runner.store.artifact(stage.name, key)
+        if artifact is not None and entry is not None and entry.key == key and entry.status == "completed":
+            return artifact  # done in this run already (a resume, or a rerun of a finished run)
+        if artifact is None:
+            with runner.store.claim(stage.name, key, runner.run_id) as claim:
+                artifact = runner.store.artifact(stage.name, key)  # another run may have finished it meanwhile
+                if artifact is None:
+                    return _compute(stage, label, key, cfg, inputs, runner, claim)
+        cached_from = None if artifact.record.produced_by == runner.run_id else artifact.record.produced_by
+        log.info("%s: reusing artifact %s%s", label, artifact.identity(),
+                 f" computed by run {cached_from}" if cached_from else "")
+        runner.run.stage_started(label, stage.name, key, cached_from)
+        _publish(stage, label, cfg, artifact, runner, cached_from)
+        return artifact
+    except BaseException as error:
+        if runner.run.stage(label) is not None:
+            runner.run.stage_update(label, status="failed", error=f"{type(error).__name__}: {error}".splitlines()[0])
+        raise
+
+
+def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: Runner, claim: Any) -> Artifact:
+    entry = runner.run.stage_started(label, stage.name, key)
+    log.info("%s: computing artifact %s/%s", label, stage.name, key)
+    with tracking.stage_run(label, runner.parent_run_id, _tags(runner, stage, key), entry.mlflow_run_id) as mlflow_id:
+        runner.run.stage_update(label, mlflow_run_id=mlflow_id)
+        tracker = StageTracker(mlflow_id, runner.parent_run_id, claim.work / METRICS_LOG)
+        result = stage.compute(cfg, inputs, StageContext(claim.staging, claim.work, tracker, label, stage.name,
+                                                                       runner.store))
+        tracker.flush()
+        if tracker.record.exists():
+            tracker.record.rename(claim.staging / METRICS_LOG)
+        artifact = claim.publish(asdict(result), cfg, shallow_fields(inputs))
+        _publish_into(stage, label, cfg, artifact, runner, mlflow_id, None)
+    return artifact
+
+
+def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Runner, cached_from: str | None) -> None:
+    entry = runner.run.stage(label)
+    tags = _tags(runner, stage, artifact.key) | ({"rlhf.cached_from": cached_from} if cached_from else {})
+    with tracking.stage_run(label, runner.parent_run_id, tags, entry.mlflow_run_id) as mlflow_id:
+        first = entry.mlflow_run_id is None
+        runner.run.stage_update(label, mlflow_run_id=mlflow_id)
+        if first and cached_from:  # the curves of the run that computed it
+            tracking.replay_metrics(artifact.path(METRICS_LOG), mlflow_id, runner.parent_run_id)
+        _publish_into(stage, label, cfg, artifact, runner, mlflow_id, cached_from)
+
+
+def _publish_into(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Runner, mlflow_id: str,
+                  cached_from: str | None) -> None:
+    publication = Publication(runner, label, artifact, mlflow_id, cached_from)
+    stage.publish(cfg, artifact, publication)
+    runner.run.stage_update(label, status="completed", models=dict(publication.models), error=None)
+
+
+def shallow_fields(inputs: Any) -> dict[str, Any]:
+    """An Inputs dataclass as {field: value}, values untouched (``asdict`` would unpack the artifacts in it)."""
+    return {f.name: getattr(inputs, f.name) for f in fields(inputs)}
+
+
+def _tags(runner: Runner, stage: Stage, key: str) -> dict[str, str]:
+    return {"rlhf.run_id": runner.run_id, "rlhf.artifact_key": f"{stage.name}/{key}"}
+
+
+def stage_task(stage: Stage, retries: int = 1, retry_delay_seconds: float = 5) -> Task:
+    """The Prefect task of ``stage``: task runs are named by label ('ppo-iteration-2'); retries only for transient
+    I/O; no Prefect result persistence or caching (the run store owns results, as JSON)."""
+    def body(label: str, cfg: Any, inputs: Any, runner: Runner) -> Artifact:
+        return run_stage(stage, label, cfg, inputs, runner)
+
+    body.__name__ = body.__qualname__ = stage.name.replace("-", "_")
+    return task(name=stage.name, task_run_name="{label}", retries=retries, retry_delay_seconds=retry_delay_seconds,
+                retry_condition_fn=retry_on_transient_io, persist_result=False, log_prints=True)(body)

@@ -1,0 +1,159 @@
+"""The model registry: idempotent, lineage-tagged registration, aliases, and ``models:/`` URIs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from tasks.tracking.setup import configured_store, slug
+
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A registered model version."""
+
+    name: str
+    version: int
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+
+#: MLflow error codes of a busy store (a locked SQLite file, a rate-limited server); a retry may pass.
+#: Not INTERNAL_ERROR: it is the default code of every MlflowException, bugs included.
+_TRANSIENT_CODES = frozenset({"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"})
+
+
+def is_transient_error(error: BaseException) -> bool:
+    """True for MLflow errors that may pass on a retry (busy store, rate limit)."""
+    return isinstance(error, MlflowException) and error.error_code in _TRANSIENT_CODES
+
+
+
+def _version_filter(name: str, tags: Mapping[str, str]) -> str:
+    return " and ".join([f"name='{name}'", *(f"tags.`{k}`='{v}'" for k, v in sorted(tags.items()))])
+
+
+def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str, lineage: Mapping[str, str],
+                   aliases: Sequence[str] = ("candidate",), description: str = "") -> ModelRef:
+    """Register ``folder`` as a version of ``name`` for ``mlflow_run_id``, tagged with ``lineage``.
+
+    Idempotent: a version carrying the same ``rlhf.run_id``, ``rlhf.artifact_key`` and ``rlhf.role`` tags is
+    returned instead of registering another (a retried or resumed stage). A version of the same artifact that
+    another run registered lends its files (no second upload of the weights). ``aliases`` move to the version.
+    """
+    client = MlflowClient()
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    identity = {k: lineage[k] for k in ("rlhf.run_id", "rlhf.artifact_key", "rlhf.role") if k in lineage}
+    mine = client.search_model_versions(_version_filter(name, identity))
+    if mine:
+        version = max(int(v.version) for v in mine)
+    else:
+        same = client.search_model_versions(_version_filter(name, {k: v for k, v in identity.items()
+                                                                   if k != "rlhf.run_id"}))
+
+        def create(source: str) -> int:
+            return int(client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=dict(lineage),
+                                                   description=description or None).version)
+
+        try:
+            version = create(same[0].source if same else _upload(client, Path(folder), name, mlflow_run_id))
+        except MlflowException as err:
+            # A tracking server may refuse a source that lies in another run's artifacts: upload this copy then.
+            if not same or err.error_code != "INVALID_PARAMETER_VALUE":
+                raise
+            version = create(_upload(client, Path(folder), name, mlflow_run_id))
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, str(version))
+    return ModelRef(name, version)
+
+
+def _upload(client: MlflowClient, folder: Path, name: str, run_id: str) -> str:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"cannot register {folder}: not a folder (save the model with save_pretrained first)")
+    base = artifact_path = f"models/{slug(name)}"
+    n = 1
+    while client.list_artifacts(run_id, artifact_path):  # never overwrite an earlier version's files
+        n += 1
+        artifact_path = f"{base}-{n}"
+    client.log_artifacts(run_id, str(folder), artifact_path)
+    return f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+
+
+def set_alias(name: str, alias: str, version: int) -> None:
+    """Point ``models:/name@alias`` at ``version`` (e.g. promote to 'champion')."""
+    MlflowClient().set_registered_model_alias(name, alias, str(version))
+
+
+def get_alias_version(name: str, alias: str) -> int | None:
+    """The version ``alias`` points at, or None when the alias (or the model) does not exist."""
+    try:
+        return int(MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def parse_model_uri(uri: str) -> ModelRef:
+    """``models:/name/version`` or ``models:/name@alias`` -> the version it names now."""
+    match = _MODELS_URI.match(uri)
+    if match is None:
+        raise ValueError(f"{uri!r} is not a registry URI; use models:/<name>/<version> or models:/<name>@<alias>")
+    name = match["name"]
+    if match["version"] is not None:
+        return ModelRef(name, int(match["version"]))
+    version = get_alias_version(name, match["alias"])
+    if version is None:
+        raise ValueError(f"{uri!r}: registered model {name!r} has no alias {match['alias']!r}")
+    return ModelRef(name, version)
+
+
+def model_identity(uri: str) -> str:
+    """What a ``models:/`` URI contributes to an artifact key: the version it resolves to and that version's files."""
+    ref = parse_model_uri(uri)
+    return f"{ref.uri} {MlflowClient().get_model_version(ref.name, str(ref.version)).source}"
+
+
+def resolve_model_uri(uri_or_path: str) -> str:
+    """A local folder for a model: paths (and Hugging Face ids) come back as they are; ``models:/`` URIs are
+    downloaded once into the state folder's model cache and that copy is returned."""
+    if not uri_or_path.startswith("models:/"):
+        return uri_or_path
+    ref = parse_model_uri(uri_or_path)
+    source = MlflowClient().get_model_version_download_uri(ref.name, str(ref.version))
+    # The source hash keeps a cache from an older (deleted) store from answering for a new version of that number.
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:8]
+    target = configured_store().layout.model_cache / slug(ref.name) / f"v{ref.version}-{digest}"
+    if target.exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".download-", dir=target.parent)
+    try:
+        downloaded = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=scratch)
+        try:
+            os.replace(downloaded, target)
+        except OSError:
+            if not target.exists():  # else another process finished the same download first
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return str(target)

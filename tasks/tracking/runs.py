@@ -1,0 +1,212 @@
+"""MLflow runs of a pipeline run and its stages, and what is logged into them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+from tasks.tracking.setup import ensure_experiment
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
+
+RUN_ID_TAG = "rlhf.run_id"
+KIND_TAG = "rlhf.kind"
+STAGE_TAG = "rlhf.stage"
+TRUNCATED = "...[truncated]"
+
+
+
+@contextmanager
+def pipeline_run(experiment: str, rlhf_run_id: str, run_name: str, params: Mapping[str, object] | None = None,
+                 tags: Mapping[str, str] | None = None, amended: bool = False) -> Iterator[str]:
+    """The parent run of rlhf run ``rlhf_run_id`` (found by its tag, or started); yields its MLflow id.
+
+    Ends FINISHED, or FAILED on an error. Finding it by tag makes a retry or resume of the run continue the same
+    parent even if the first attempt died before it could record the id.
+    """
+    experiment_id = ensure_experiment(experiment)
+    client = MlflowClient()
+    found = client.search_runs([experiment_id], f"tags.`{RUN_ID_TAG}` = '{rlhf_run_id}' and "
+                                                f"tags.`{KIND_TAG}` = 'pipeline'", max_results=1)
+    all_tags = {KIND_TAG: "pipeline", RUN_ID_TAG: rlhf_run_id, **(tags or {})}
+    if found:
+        started = mlflow.start_run(run_id=found[0].info.run_id, tags=all_tags)
+    else:
+        started = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags)
+    with started as run:
+        if params:
+            log_params_flat(params, run.info.run_id, amended)
+        yield run.info.run_id
+
+
+@contextmanager
+def stage_run(label: str, parent_run_id: str, tags: Mapping[str, str] | None = None,
+              run_id: str | None = None) -> Iterator[str]:
+    """A nested run for one stage under ``parent_run_id`` (``run_id`` continues an earlier one); yields its id."""
+    all_tags = {STAGE_TAG: label, KIND_TAG: "stage", **(tags or {})}
+    if run_id is None:
+        experiment_id = MlflowClient().get_run(parent_run_id).info.experiment_id
+        started = mlflow.start_run(experiment_id=experiment_id, run_name=label, nested=True,
+                                   parent_run_id=parent_run_id, tags=all_tags)
+    else:
+        started = mlflow.start_run(run_id=run_id, nested=True, tags=all_tags)
+    with started as run:
+        yield run.info.run_id
+
+
+def end_run(run_id: str, status: str = "KILLED") -> None:
+    """Close a run a killed process left RUNNING (``rlhf runs`` finds those); a run the store lost is skipped."""
+    client = MlflowClient()
+    try:
+        running = client.get_run(run_id).info.status == "RUNNING"
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return
+    if running:
+        client.set_terminated(run_id, status)
+
+
+def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
+# --------------------------------------------------------------------------------------------- logging
+
+
+def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Metrics (e.g. ``{'ppo/policy/clipfrac': 0.1}``) at ``step``, in batches."""
+    now = int(time.time() * 1000)
+    entries = [Metric(key, float(value), now, step or 0) for key, value in metrics.items()]
+    _log_batch(run_id, entries)
+
+
+def _log_batch(run_id: str, entries: Sequence[Metric]) -> None:
+    client = MlflowClient()
+    for chunk in _chunks(list(entries), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=list(chunk))
+
+
+def _param_value(key: str, value: object) -> str:
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > MAX_PARAM_VAL_LENGTH:
+        log.warning("param %s is %d characters; MLflow keeps %d, so it is truncated", key, len(text),
+                    MAX_PARAM_VAL_LENGTH)
+        text = text[: MAX_PARAM_VAL_LENGTH - len(TRUNCATED)] + TRUNCATED
+    return text
+
+
+def log_params_flat(params: Mapping[str, object], run_id: str, amended: bool = False) -> dict[str, str]:
+    """Flat params in batches, values cut to MLflow's limit; returns what was sent.
+
+    Params are write-once: keys already logged with the same value are skipped (a resumed run logs its config
+    again); a different value raises ValueError naming the keys, unless the run's config was ``amended``
+    (``rlhf resume KEY=VALUE``): then each changed value goes to a tag ``rlhf.amended.<key>`` ('old -> new').
+    """
+    client = MlflowClient()
+    existing = client.get_run(run_id).data.params
+    values = {key: _param_value(key, value) for key, value in params.items()}
+    changed = {k: (existing[k], v) for k, v in values.items() if k in existing and existing[k] != v}
+    if changed and amended:
+        set_tags(run_id, {f"rlhf.amended.{k}": f"{old} -> {new}" for k, (old, new) in changed.items()})
+    elif changed:
+        shown = "; ".join(f"{k}: logged {old!r}, now {new!r}" for k, (old, new) in sorted(changed.items())[:10])
+        raise ValueError(f"MLflow run {run_id} already has different values for params ({shown}); params are "
+                         "write-once: start a new run, or log the changing value as a metric or tag")
+    fresh = {k: v for k, v in values.items() if k not in existing}
+    for chunk in _chunks(list(fresh.items()), MAX_PARAMS_TAGS_PER_BATCH):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
+    return fresh
+
+
+def log_figure(run_id: str, fig: Figure, artifact_path: str) -> None:
+    MlflowClient().log_figure(run_id, fig, artifact_path)
+
+
+def log_file(run_id: str, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+    """Copy a local file (or folder) into the run's artifacts under ``artifact_path``."""
+    local = Path(path)
+    client = MlflowClient()
+    if local.is_dir():
+        client.log_artifacts(run_id, str(local), artifact_path)
+    else:
+        client.log_artifact(run_id, str(local), artifact_path)
+
+
+class StageTracker:
+    """Live metrics of one stage: to its MLflow run (chosen curves also to the parent), and to a JSON-lines file
+    kept in the artifact, so that a later run reusing the artifact shows the same curves (:func:`replay_metrics`)."""
+
+    def __init__(self, run_id: str, parent_run_id: str, record: Path, flush_every: int = 1) -> None:
+        self.run_id, self.parent_run_id, self.record, self.flush_every = run_id, parent_run_id, record, flush_every
+        self._pending: dict[str, list[Metric]] = {run_id: [], parent_run_id: []}
+        self._calls = 0
+
+    def log(self, metrics: Mapping[str, float], step: int, to_parent: Iterable[str] = ()) -> None:
+        """``metrics`` at ``step`` to the stage run; the keys in ``to_parent`` to the parent run too."""
+        now = int(time.time() * 1000)
+        values = {k: float(v) for k, v in metrics.items()}
+        parent = {k: values[k] for k in to_parent if k in values}
+        with open(self.record, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": step, "metrics": values, "parent": sorted(parent)}) + "\n")
+        self._pending[self.run_id] += [Metric(k, v, now, step) for k, v in values.items()]
+        self._pending[self.parent_run_id] += [Metric(k, v, now, step) for k, v in parent.items()]
+        self._calls += 1
+        if self._calls % self.flush_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        for run_id, entries in self._pending.items():
+            if entries:
+                _log_batch(run_id, entries)
+                self._pending[run_id] = []
+
+
+def logged_keys(record: Path) -> set[str]:
+    """The metric keys a :class:`StageTracker` file holds (empty when there is none)."""
+    if not record.is_file():
+        return set()
+    return {key for line in record.read_text(encoding="utf-8").splitlines() if line.strip()
+            for key in json.loads(line)["metrics"]}
+
+
+def replay_metrics(record: Path, run_id: str, parent_run_id: str) -> int:
+    """Log a :class:`StageTracker` file into new runs (a cached stage); the last value of a (step, key) wins, as a
+    resumed stage logs the steps after its last checkpoint twice. Returns the values logged."""
+    if not record.is_file():
+        return 0
+    latest: dict[tuple[bool, int, str], float] = {}
+    for line in record.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        for key, value in entry["metrics"].items():
+            latest[(False, int(entry["step"]), key)] = value
+            if key in entry.get("parent", ()):
+                latest[(True, int(entry["step"]), key)] = value
+    now = int(time.time() * 1000)
+    for to_parent, target in ((False, run_id), (True, parent_run_id)):
+        _log_batch(target, [Metric(k, v, now, s) for (p, s, k), v in sorted(latest.items()) if p == to_parent])
+    return len(latest)

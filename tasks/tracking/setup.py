@@ -1,0 +1,110 @@
+"""Where MLflow writes: the tracking URI, the local store inside the state folder, experiments."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sqlite3
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from mlflow.tracking._tracking_service import utils as tracking_service_utils
+
+if TYPE_CHECKING:
+    from tasks.run_store import RunStore
+
+log = logging.getLogger(__name__)
+
+#: Tracking stores that decide artifact locations themselves; every other store gets ours.
+_SERVER_SCHEMES = frozenset({"http", "https", "databricks", "databricks-uc"})
+#: Columns of MLflow's SQLite store that hold absolute artifact locations (rebased when the state folder moves).
+_LOCATION_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"), ("model_versions", "source"),
+                     ("model_versions", "storage_location"), ("logged_models", "artifact_location"))
+
+_store: RunStore | None = None
+#: The URI configure_tracking chose itself (not from the environment), see there.
+_own_uri: str | None = None
+
+
+
+def configure_tracking(store: RunStore, uri: str | None = None) -> str:
+    """Point MLflow at MLFLOW_TRACKING_URI if set, else ``uri``, else SQLite in the state folder; returns the URI.
+
+    The local store is created under the store's init lock (two runs starting on a fresh folder), and when the
+    state folder was moved or copied its recorded artifact locations are rebased onto the new place.
+    """
+    global _store, _own_uri
+    _store = store
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI for subprocesses, so the variable may hold our own
+    # earlier choice; only a value we did not set is the user's, and only the user's wins.
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    from_user = env if env and env != _own_uri else None
+    local = f"sqlite:///{store.layout.mlflow_db}"
+    resolved = from_user or uri or local
+    _own_uri = None if from_user else resolved
+    mlflow.set_tracking_uri(resolved)
+    with store.initializing():
+        if resolved == local:
+            if store.moved_from and store.layout.mlflow_db.is_file():
+                rebase_local_store(store.layout.mlflow_db, store.moved_from, str(store.root))
+            MlflowClient().search_experiments(max_results=1)  # creates the tables, once, under the lock
+        if store.moved_from:
+            store.settle_move()
+    return resolved
+
+
+def rebase_local_store(db: Path, old_root: str, new_root: str) -> int:
+    """Rewrite the artifact locations of a moved state folder's SQLite store; returns the rows changed."""
+    changed = 0
+    with sqlite3.connect(db) as connection:
+        tables = {row[0] for row in connection.execute("select name from sqlite_master where type='table'")}
+        for table, column in _LOCATION_COLUMNS:
+            if table not in tables:
+                continue
+            for old, new in ((Path(old_root).as_uri(), Path(new_root).as_uri()), (old_root, new_root)):
+                cursor = connection.execute(
+                    f"update {table} set {column} = ? || substr({column}, ?) where {column} like ? escape '\\'",
+                    (new, len(old) + 1, old.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"))
+                changed += cursor.rowcount
+    # MLflow caches each run's artifact location in this process; after a rebase that cache would still write to
+    # the old place (it is private, hence the guard).
+    cache = getattr(tracking_service_utils, "_artifact_repos_cache", None)
+    if cache is not None:
+        cache.clear()
+    log.info("state folder moved from %s: rebased %d MLflow artifact locations", old_root, changed)
+    return changed
+
+
+def configured_store() -> RunStore:
+    if _store is None:
+        raise RuntimeError("MLflow tracking is not configured; call tasks.tracking.configure_tracking(store) first")
+    return _store
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def ensure_experiment(name: str) -> str:
+    """Id of experiment ``name``, created (artifacts under the state folder for local stores) or restored."""
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+    location = None
+    if urlparse(mlflow.get_tracking_uri()).scheme not in _SERVER_SCHEMES:
+        # A local store would otherwise put artifacts in ./mlruns of whatever directory we run in.
+        location = (configured_store().layout.mlartifacts / slug(name)).as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another process created it first
+            raise
+        return client.get_experiment_by_name(name).experiment_id
