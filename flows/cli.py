@@ -136,9 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (imported only when one is raised, to keep `--help` fast)."""
     from tasks.config import ConfigError
-    from tasks.run_store import StateError
+    from tasks.run_store import ArtifactError, StateError
 
-    return (DataError, ConfigError, StateError)
+    return (DataError, ConfigError, StateError, ArtifactError)
 
 
 if __name__ == "__main__":

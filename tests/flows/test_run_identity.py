@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -215,3 +216,30 @@ def test_two_runs_starting_together_on_a_fresh_state_folder(tmp_path):
     records = RunStore(state).list_runs()
     assert len(records) == 2 and {r.status for r in records} == {"completed"}
     assert (state / "mlflow.db").is_file() and (state / "prefect" / "prefect.db").is_file()
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PLANTED_MARKER']}",))
+
+
+def test_a_planted_pickle_never_runs_and_the_cli_says_which_file(tmp_path, mlflow_store, monkeypatch, capsys):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    state = tmp_path / "state"
+    assert run_cli("run", "--preset", "tiny", *TINY, "ppo.iterations=1", "refresh.enabled=false",
+                   *unique("plant", tmp_path), "--state-dir", str(state)) == 0
+    store = RunStore(state)
+    (record,) = store.list_runs()
+    capsys.readouterr()
+    # Where a stage's record was (the SFT artifact every later stage reads): refused by name, nothing unpickled.
+    sft_record = state / "artifacts" / "sft" / record.stages["sft"].key / "record.json"
+    sft_record.write_bytes(pickle.dumps(_Exploit()))
+    assert run_cli("resume", record.run_id, "--state-dir", str(state)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert str(sft_record) in err[-1] and "not a valid artifact record" in err[-1] and "rlhf resume" in err[0]
+    # Where the run's own record was: refused before anything starts.
+    store.layout.run_file(record.run_id).write_bytes(pickle.dumps(_Exploit()))
+    assert run_cli("resume", record.run_id, "--state-dir", str(state)) == 2
+    assert "not a valid run record" in capsys.readouterr().err
+    assert not marker.exists()
