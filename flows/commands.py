@@ -111,7 +111,7 @@ def _execute(store: RunStore, run_id: str) -> int:
     from flows.pipeline import rlhf_pipeline
     from flows.summary import format_summary
 
-    _refuse_if_running(store, run_id)
+    store.refuse_if_held(run_id)
     ensure_prefect_database(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
@@ -126,24 +126,19 @@ def _execute(store: RunStore, run_id: str) -> int:
 
 
 def ensure_prefect_database(store: RunStore) -> None:
-    """Create (or migrate) the temporary server's database under the state folder's init lock: two runs starting
-    at once on a fresh folder would otherwise race on its migrations. A real server (PREFECT_API_URL) owns its own."""
+    """Create the temporary server's database under the state folder's init lock: two runs starting at once on a
+    fresh folder would otherwise race on its migrations. A real server (PREFECT_API_URL) owns its own."""
     from prefect.server.database import provide_database_interface
     from prefect.settings import get_current_settings
 
-    if get_current_settings().api.url:
+    settings = get_current_settings()
+    if settings.api.url:
         return
+    url = settings.server.database.connection_url.get_secret_value()
     with store.initializing():
+        if url.startswith("sqlite") and Path(url.split(":///", 1)[1]).is_file():
+            return  # created already; the server itself migrates an existing database when it starts
         asyncio.run(provide_database_interface().create_db())
-
-
-def _refuse_if_running(store: RunStore, run_id: str) -> None:
-    from tasks.run_store import RunLockedError
-
-    holder = store.holder(run_id)
-    if holder is not None:
-        raise RunLockedError(f"run {run_id} is in use by {holder.describe()}; wait for it to end, or stop that "
-                             "process first (a killed holder frees the run at once)")
 
 
 def _mlflow_hint(store: RunStore, mlflow_run_id: str | None) -> str:
@@ -162,7 +157,7 @@ def _load(state_dir: str, run_id: str) -> tuple[RunStore, RunRecord]:
 
 def _resume(args: argparse.Namespace) -> int:
     store, record = _load(args.state_dir, args.run_id)
-    _refuse_if_running(store, record.run_id)
+    store.refuse_if_held(record.run_id)
     overrides = [*args.overrides, *args.set_overrides]
     if overrides:
         amend_config(store, record.run_id, overrides)
@@ -192,7 +187,7 @@ def _rerun_stage(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown stage {name!r}; choose one of {', '.join(STAGES)}, or one iteration such as "
                           "ppo-iteration-2")
     store, record = _load(args.state_dir, args.run)
-    _refuse_if_running(store, record.run_id)
+    store.refuse_if_held(record.run_id)
     with store.hold(record.run_id, f"rlhf stage {name}") as run:
         run.record.reruns[name] = run.record.reruns.get(name, 0) + 1
         run.save()
@@ -206,12 +201,12 @@ def _list_runs(args: argparse.Namespace) -> int:
     from tasks.run_store import RunStore
 
     store = RunStore(args.state_dir)
-    before = {r.run_id: r.status for r in store.list_runs(reconcile=False)}
-    runs = store.list_runs()
+    listed = store.list_runs(reconcile=False)
+    runs = [store.reconcile(record) for record in listed]
     if not runs:
         print(f"no runs in {store.root}")
         return 0
-    crashed = [r for r in runs if r.status == "crashed" and before.get(r.run_id) == "running"]
+    crashed = [now for was, now in zip(listed, runs) if was.status == "running" and now.status == "crashed"]
     if crashed:
         close_crashed(store, crashed)
     width = max(len("name"), *(len(record.name) for record in runs)) + 2

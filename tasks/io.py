@@ -262,11 +262,12 @@ def read_pairs(path: str | Path) -> list[PreferencePair]:
     if not rows:
         raise ValueError(f"preference table {path} has no rows; the reward model needs (prompt, chosen, rejected) "
                          "pairs: check the data-prep counts (quarantine, split fractions) or add data")
-    return [PreferencePair(str(r["prompt"]), str(r["chosen"]), str(r["rejected"]), _margin(r["margin"]))
+    return [PreferencePair(str(r["prompt"]), str(r["chosen"]), str(r["rejected"]), optional_margin(r["margin"]))
             for r in rows]
 
 
-def _margin(value: object) -> float | None:
+def optional_margin(value: object) -> float | None:
+    """A PREFERENCE_PAIRS margin cell as a float, or None for a null or NaN."""
     return None if value is None or math.isnan(float(value)) else float(value)
 
 

@@ -40,7 +40,7 @@ from rlhf_core.data.schema import (CHOSEN, COLUMN, DETAIL, MARGIN, PROMPT, RAW, 
 from rlhf_core.data.text import make_measure
 from rlhf_core.evaluation.annotators import ReplyPair
 from rlhf_core.training.reward_training import PreferencePair
-from tasks.io import CSV_SUFFIXES, PARQUET_SUFFIXES, atomic_write, read_source
+from tasks.io import CSV_SUFFIXES, PARQUET_SUFFIXES, atomic_write, optional_margin, read_source
 
 PAIR_ID, REPLY_A, REPLY_B, LABEL = "pair_id", "reply_a", "reply_b", "label"
 EXPORT_COLUMNS = (PAIR_ID, PROMPT, REPLY_A, REPLY_B, LABEL)
@@ -234,7 +234,5 @@ def preference_rows(source: str, pairs: Sequence[PreferencePair]) -> list[Source
 
 def to_pairs(records: Sequence[Mapping[str, object]]) -> list[PreferencePair]:
     """PreferencePair of each PREFERENCE_PAIRS record (margin: a NaN or null becomes None)."""
-    def margin(value: object) -> float | None:
-        return None if value is None or math.isnan(float(value)) else float(value)
-
-    return [PreferencePair(str(r[PROMPT]), str(r[CHOSEN]), str(r[REJECTED]), margin(r.get(MARGIN))) for r in records]
+    return [PreferencePair(str(r[PROMPT]), str(r[CHOSEN]), str(r[REJECTED]), optional_margin(r.get(MARGIN)))
+            for r in records]

@@ -47,6 +47,12 @@ class RunLockedError(StateError):
     """Another live process holds the run (one writer per run)."""
 
 
+def _locked(run_id: str, holder: Holder | None) -> RunLockedError:
+    who = holder.describe() if holder else "another process"
+    return RunLockedError(f"run {run_id} is in use by {who}; wait for it to end, or stop that process first (a killed "
+                          "holder frees the run at once)")
+
+
 def _write_text(path: Path, text: str) -> None:
     from tasks.io import atomic_write  # the one atomic write of the project
 
@@ -204,14 +210,18 @@ class RunStore:
         try:
             lock.acquire()
         except LockBusy as busy:
-            who = busy.holder.describe() if busy.holder else "another process"
-            raise RunLockedError(f"run {run_id} is in use by {who}; wait for it to end, or stop that process "
-                                 "first (a killed holder frees the run at once)") from None
+            raise _locked(run_id, busy.holder) from None
         lock.start_heartbeat()
         try:
             yield ActiveRun(self, self.load_run(run_id))
         finally:
             lock.release()
+
+    def refuse_if_held(self, run_id: str) -> None:
+        """RunLockedError naming the live holder of the run, if there is one (a check before starting work)."""
+        holder = self.holder(run_id)
+        if holder is not None:
+            raise _locked(run_id, holder)
 
     def end_run(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
         """Mark a run that nobody holds any more as ``status`` (Prefect's failure / crash hooks, ``rlhf runs``).

@@ -8,7 +8,6 @@ artifact never changes. The record is JSON; nothing here ever unpickles anything
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -17,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.run_store.keys import canonical, code_version
+from tasks.run_store.keys import canonical, code_version, sha256_file
 from tasks.run_store.layout import CLAIM_LOCK, RECORD_FILE, STAGING, Layout
 from tasks.run_store.locks import FileLock, LockBusy, now_iso
 
@@ -99,17 +98,9 @@ class ArtifactPart:
         return self.artifact.path(self.relative)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def manifest(folder: Path) -> dict[str, dict[str, Any]]:
     """{relative path: {'size', 'sha256'}} of every file under ``folder`` except the record."""
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != RECORD_FILE}
 
 

@@ -66,16 +66,21 @@ def code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes (size and mtime beyond ``CONTENT_HASH_LIMIT``)."""
-    stat = path.stat()
-    if stat.st_size > CONTENT_HASH_LIMIT:
-        return f"size={stat.st_size};mtime={stat.st_mtime_ns}"
+def sha256_file(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (size and mtime beyond ``CONTENT_HASH_LIMIT``)."""
+    stat = path.stat()
+    if stat.st_size > CONTENT_HASH_LIMIT:
+        return f"size={stat.st_size};mtime={stat.st_mtime_ns}"
+    return sha256_file(path)
 
 
 def path_digest(path: str | os.PathLike[str]) -> str:
