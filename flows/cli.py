@@ -127,13 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except _user_errors() as err:
+    except user_errors() as err:
         message = " ".join(str(err).split())
         print(f"rlhf {args.command}: error: {message}", file=sys.stderr)
         return EXIT_DATA_ERROR
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
+def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (imported only when one is raised, to keep `--help` fast)."""
     from tasks.config import ConfigError
     from tasks.run_store import ArtifactError, StateError

@@ -19,31 +19,47 @@ if TYPE_CHECKING:
     from tasks.run_store import RunRecord, RunStore
 
 DEFAULT_STATE_DIR = ".rlhf_state"
-PROGRESS_LOGGERS = ("rlhf_core", "tasks", "flows")
+SERVER_FILE = "server.json"
+EXIT_FAILED = 1
 STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh")
 ITERATED = ("ppo-iteration", "heldout-eval", "rm-refresh")
 
 
 def prepare_environment(state_dir: str) -> None:
-    """Quiet Prefect, keep its home inside the state folder, keep MLflow offline, show our progress lines."""
+    """Quiet Prefect, keep its home inside the state folder, keep MLflow offline, show our progress lines.
+
+    When ``rlhf server`` runs for this state folder (and PREFECT_API_URL is unset), runs go to that server, so
+    they show in its UI; otherwise Prefect starts a temporary server for the command.
+    """
     root = Path(state_dir).resolve()
     os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The temporary server gets 20 s by default, which a busy 2-core machine can miss.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # The temporary server gets 20 s by default, which a busy 2-core machine can miss; a busy server gets retries.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Our own progress lines carry rate and ETA; library progress bars for millisecond copies are noise.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
+    if "PREFECT_API_URL" not in os.environ:
+        url = running_server(root)
+        if url is not None:
+            os.environ["PREFECT_API_URL"] = url
+    from flows.logs import console_logging
 
-    hf_logging.disable_progress_bar()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in PROGRESS_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO)
+    console_logging()
+
+
+def running_server(state_dir: Path) -> str | None:
+    """The API URL of the ``rlhf server`` of this state folder, when it runs and answers."""
+    import json
+    import urllib.request
+
+    info = state_dir / "prefect" / SERVER_FILE
+    try:
+        url = json.loads(info.read_text(encoding="utf-8"))["api_url"]
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return url if response.status == 200 else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +91,33 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
     runs = subparsers.add_parser("runs", help="list runs with their status (a killed run shows as crashed)")
     runs.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
     runs.set_defaults(handler=_list_runs)
+    schedule = subparsers.add_parser(
+        "schedule", help="run the pipeline on a cron schedule (a Prefect deployment)",
+        description="Register a Prefect deployment that starts `rlhf run --preset P --config F KEY=VALUE...` on "
+        "CRON, one run at a time. The config is resolved and checked now, exactly as `rlhf run` resolves it, and "
+        "again by every scheduled run (so edits to F reach the next run). Without --pool this process serves "
+        "the deployment and runs the flows itself (keep it running); with --pool a Prefect worker of that pool "
+        "runs them. Needs a Prefect server: `rlhf server`, or PREFECT_API_URL.")
+    schedule.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *" (03:00 every day)')
+    schedule.add_argument("--timezone", default="UTC", help="timezone of the cron expression (default UTC)")
+    schedule.add_argument("--config", metavar="FILE", help="YAML config (merged over --preset)")
+    schedule.add_argument("--preset", default="demo", help="preset under infra/presets (default demo)")
+    schedule.add_argument("--name", default="rlhf-nightly", help="deployment name (default rlhf-nightly)")
+    schedule.add_argument("--pool", metavar="POOL", help="Prefect work pool whose workers run the flows (e.g. "
+                          "rlhf-pool of the compose stack); default: serve from this process")
+    schedule.add_argument("--state-dir", default=None, help="state folder, as seen by the process that runs the "
+                          "flows (default: the config's, .rlhf_state)")
+    schedule.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                          help="config overrides, e.g. ppo.kl.coef=0.1 orchestration.stage_timeout_minutes=240")
+    schedule.set_defaults(handler=_schedule)
+    server = subparsers.add_parser(
+        "server", help="a persistent local Prefect server for this state folder (recommended for schedules)",
+        description="Start `prefect server start` on 127.0.0.1 with its database in the state folder and keep it "
+        "running. `rlhf` commands on the same state folder find it and use it (their runs show in its UI); "
+        "other programs need PREFECT_API_URL, which it prints.")
+    server.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
+    server.add_argument("--port", type=int, default=4200, help="port (default 4200; a free one when taken)")
+    server.set_defaults(handler=_server)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +145,7 @@ def _start(config_file: str | None, preset: str | None, overrides: list[str], st
     from tasks.run_store import RunStore
 
     store = RunStore(config.state_dir).ensure()
-    record = store.create_run(config.name, dump_config_text(config))
+    record = store.create_run(config.name, dump_config_text(config), preset=preset)
     print(f"run {record.run_id}: config {store.config_file(record.run_id)}", flush=True)
     return _execute(store, record.run_id)
 
@@ -115,14 +158,48 @@ def _execute(store: RunStore, run_id: str) -> int:
     ensure_prefect_database(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
-    except BaseException:
-        print(f"run {run_id} did not finish; fix the cause and continue with: rlhf resume {run_id} "
-              f"--state-dir {store.root}", file=sys.stderr)
-        raise
+    except Exception as error:  # the traceback is in the run's log file and on the Prefect flow run
+        from flows.cli import EXIT_DATA_ERROR, user_errors
+
+        line = failure_line(store, run_id, error)
+        store.end_run(run_id, "failed", line)  # when the flow never started, no hook of Prefect's could say so
+        print(line, file=sys.stderr)
+        return EXIT_DATA_ERROR if isinstance(error, user_errors()) else EXIT_FAILED
     print(format_summary(summary))
     print(f"summary: {store.summary_file(run_id)}")
-    print(_mlflow_hint(store, summary.get("mlflow_run_id")))
+    print(mlflow_hint(store, summary))
     return 0
+
+
+def failure_line(store: RunStore, run_id: str, error: BaseException) -> str:
+    """``rlhf: run R failed in stage S: Cause; log: FILE; continue with: rlhf resume R --state-dir D``."""
+    record = store.load_run(run_id)
+    failed = [label for label, entry in record.stages.items() if entry.status == "failed"]
+    where = f" in stage {failed[-1]}" if failed else ""
+    cause = (record.stages[failed[-1]].error if failed else None) or f"{type(error).__name__}: {error}"
+    if isinstance(error, TimeoutError):  # Prefect cancels the stage inside: its own error says only that
+        cause = f"{type(error).__name__}: {error} (orchestration.stage_timeout_minutes)"
+    cause = " ".join(cause.split())
+    if len(cause) > 400:
+        cause = cause[:399] + "…"
+    if _is_connection_error(error):
+        url = os.environ.get("PREFECT_API_URL")
+        cause += (f" (the Prefect API at {url} did not answer: is its server running?)" if url else
+                  " (Prefect's temporary server did not answer; on a busy machine start a persistent one with "
+                  f"`rlhf server --state-dir {store.root}` in another terminal)")
+    return (f"rlhf: run {run_id} failed{where}: {cause}; log: {store.log_file(run_id)}; continue with: "
+            f"rlhf resume {run_id} --state-dir {store.root}")
+
+
+def _is_connection_error(error: BaseException) -> bool:
+    import httpx
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def ensure_prefect_database(store: RunStore) -> None:
@@ -141,10 +218,33 @@ def ensure_prefect_database(store: RunStore) -> None:
         asyncio.run(provide_database_interface().create_db())
 
 
-def _mlflow_hint(store: RunStore, mlflow_run_id: str | None) -> str:
+def mlflow_hint(store: RunStore, summary: dict) -> str:
+    """Where to look at the run: its page on the tracking server, or the command that serves the local store on a
+    free port and the run's page there."""
+    from tasks import tracking
+
+    run_id = summary.get("mlflow_run_id")
+    if summary.get("mlflow_url"):
+        return f"MLflow run: {summary['mlflow_url']}"
+    port = free_port(5000)
+    url = tracking.run_url(run_id, f"http://127.0.0.1:{port}") if run_id else f"http://127.0.0.1:{port}"
     return ("look at it in the MLflow UI:\n"
-            f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{store.layout.mlflow_db} --port 5000\n"
-            f"  then open http://127.0.0.1:5000 (parent run {mlflow_run_id}, one nested run per stage)")
+            f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{store.layout.mlflow_db} --port {port}\n"
+            f"  then open {url}")
+
+
+def free_port(preferred: int) -> int:
+    """``preferred`` when nothing listens on it, else a port the system picks."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def _load(state_dir: str, run_id: str) -> tuple[RunStore, RunRecord]:
@@ -240,3 +340,114 @@ def close_crashed(store: RunStore, records: list[RunRecord]) -> None:
         for run_id in [record.mlflow_run_id, *(s.mlflow_run_id for s in record.stages.values() if s.status == "running")]:
             if run_id:
                 tracking.end_run(run_id, "KILLED")
+
+
+def schedule_parameters(args: argparse.Namespace) -> tuple[dict, str]:
+    """The deployment's parameters for ``rlhf schedule`` (paths made absolute: the flow may run elsewhere), and
+    the resolved config's name; the config is resolved now as ``rlhf run`` would, so mistakes fail here."""
+    from tasks.config import load_config
+
+    config_file = str(Path(args.config).resolve()) if args.config else None
+    overrides = list(args.overrides)
+    config = load_config(config_file, args.preset, overrides + ([f"state_dir={args.state_dir}"] if args.state_dir
+                                                                 else []))
+    if args.pool:  # a worker runs the flows in its own folder: relative paths would name other files there
+        overrides += absolute_path_overrides(config)
+    return ({"preset": args.preset, "config_file": config_file, "overrides": overrides,
+             "state_dir": str(Path(config.state_dir).resolve())}, config.name)
+
+
+def absolute_path_overrides(config: object) -> list[str]:
+    """``KEY=VALUE`` overrides that make every relative file or model path of ``config`` absolute (from here)."""
+    import json
+
+    from tasks.run_store.keys import relative_paths
+
+    changed = []
+    for key, _ in relative_paths(config).items():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        absolute = ([str(Path(v).resolve()) for v in value] if isinstance(value, (list, tuple))
+                    else str(Path(value).resolve()))
+        changed.append(f"{key}={json.dumps(absolute)}")
+    return changed
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from tasks.config import ConfigError
+
+    parameters, name = schedule_parameters(args)
+    prepare_environment(parameters["state_dir"])
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ConfigError("a schedule needs a Prefect server that keeps running: start `rlhf server --state-dir "
+                          f"{parameters['state_dir']}` in another terminal (or set PREFECT_API_URL)")
+    from prefect import serve
+
+    from flows.deployments import pipeline_deployment
+
+    deployment = pipeline_deployment(parameters["preset"], parameters["config_file"], parameters["overrides"],
+                                     name=args.name, cron=args.cron, timezone=args.timezone, work_pool=args.pool,
+                                     state_dir=parameters["state_dir"])
+    when = f"on cron {args.cron!r} ({args.timezone})"
+    if args.pool:
+        deployment_id = deployment.apply()
+        print(f"deployment rlhf-pipeline/{args.name} ({deployment_id}) runs {name} {when} on work pool {args.pool}; "
+              f"a worker runs it: prefect worker start --pool {args.pool}", flush=True)
+        return 0
+    print(f"serving rlhf-pipeline/{args.name}: {name} {when}, one run at a time; results under "
+          f"{parameters['state_dir']}. Keep this process running (Ctrl-C stops and pauses the schedule).", flush=True)
+    serve(deployment, print_starting_message=False)
+    return 0
+
+
+def _server(args: argparse.Namespace) -> int:
+    """Run the Prefect server in the foreground, its database and a server.json (its URL) in the state folder."""
+    import json
+    import signal
+    import subprocess
+
+    from tasks.run_store import RunStore, StateError
+
+    root = Path(args.state_dir).resolve()
+    running = running_server(root)
+    if running is not None:
+        raise StateError(f"a Prefect server for {root} runs already: {running} "
+                         f"(pid {json.loads((root / 'prefect' / SERVER_FILE).read_text())['pid']})")
+    os.environ.pop("PREFECT_API_URL", None)  # this process creates the server's database, it is no client
+    prepare_environment(str(root))
+    store = RunStore(root).ensure()
+    ensure_prefect_database(store)
+    port = free_port(args.port)
+    url = f"http://127.0.0.1:{port}/api"
+    info = root / "prefect" / SERVER_FILE
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server with us
+    process = None
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                    "--port", str(port)], preexec_fn=_die_with_parent)
+        info.write_text(json.dumps({"api_url": url, "pid": process.pid}) + "\n", encoding="utf-8")
+        print(f"Prefect server for {root}: UI http://127.0.0.1:{port}; rlhf commands on this state folder use it."
+              f"\nOther programs: export PREFECT_API_URL={url}", flush=True)
+        return process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        info.unlink(missing_ok=True)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM it when `rlhf server` dies, even by SIGKILL (Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: Ctrl-C and SIGTERM still stop the server
+        pass

@@ -21,14 +21,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from prefect import flow
+from prefect import Task, flow
+from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run as current_flow_run
 
-from flows.summary import build_summary
-from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft
-from tasks.config import PipelineConfig, load_config
+from flows.logs import run_logging
+from flows.summary import build_summary, running_markdown, summary_markdown
+from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft, tracking
+from tasks.config import PipelineConfig, changed_settings, load_config
 from tasks.run_store import ActiveRun, Artifact, RunStore, new_run_id
+from tasks.run_store.keys import code_version
 from tasks.stage import Runner
 from tasks.tracking import configure_tracking, log_file, pipeline_run
 from tasks.typed_yaml import dump_config_text, flatten_for_params
@@ -52,23 +55,30 @@ class Outcome:
 
 
 def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
-    """Every stage of the pipeline, each a Prefect task run named by its label."""
-    data = data_prep.data_prep_task("data-prep", data_prep.Config.of(config), data_prep.Inputs(), runner)
-    sft_art = sft.sft_task("sft", sft.Config.of(config), sft.Inputs(data), runner)
+    """Every stage of the pipeline, each a Prefect task run named by its label (and failed by Prefect when it
+    runs past ``orchestration.stage_timeout_minutes``)."""
+    limit = config.orchestration.stage_timeout_minutes
+
+    def timed(stage_task: Task) -> Task:
+        return stage_task.with_options(timeout_seconds=limit * 60) if limit else stage_task
+
+    data = timed(data_prep.data_prep_task)("data-prep", data_prep.Config.of(config), data_prep.Inputs(), runner)
+    sft_art = timed(sft.sft_task)("sft", sft.Config.of(config), sft.Inputs(data), runner)
     reference = sft.model_input(sft_art)
     rm_cfg = reward_model.Config.of(config)
-    rm_art = reward_model.reward_model_task("reward-model", rm_cfg, reward_model.Inputs.of(rm_cfg, data, reference),
-                                            runner)
+    rm_art = timed(reward_model.reward_model_task)("reward-model", rm_cfg,
+                                                   reward_model.Inputs.of(rm_cfg, data, reference), runner)
     proxy, heldout = reward_model.model_input(rm_art, "proxy"), reward_model.model_input(rm_art, "heldout")
-    baseline = best_of_n.best_of_n_task("best-of-n", best_of_n.Config.of(config),
-                                        best_of_n.Inputs(data, reference, proxy, heldout), runner)
+    baseline = timed(best_of_n.best_of_n_task)("best-of-n", best_of_n.Config.of(config),
+                                               best_of_n.Inputs(data, reference, proxy, heldout), runner)
     outcome = Outcome(data, sft_art, rm_art, baseline)
     rm_generation, previous = 0, None
     for k in range(1, config.ppo.iterations + 1):
-        ppo = ppo_iteration.ppo_iteration_task(f"ppo-iteration-{k}", ppo_iteration.Config.of(config, k),
-                                               ppo_iteration.Inputs(data, reference, proxy, previous), runner)
+        ppo = timed(ppo_iteration.ppo_iteration_task)(
+            f"ppo-iteration-{k}", ppo_iteration.Config.of(config, k),
+            ppo_iteration.Inputs(data, reference, proxy, previous), runner)
         policy = ppo_iteration.model_input(ppo)
-        evaluation = heldout_eval.heldout_eval_task(
+        evaluation = timed(heldout_eval.heldout_eval_task)(
             f"heldout-eval-{k}", heldout_eval.Config.of(config, k, rm_generation),
             heldout_eval.Inputs(data, policy, reference, proxy, heldout, baseline, tuple(outcome.evals)), runner)
         outcome.ppo.append(ppo)
@@ -76,7 +86,7 @@ def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
         status = heldout_eval.STAGE.result(evaluation).status
         if k < config.ppo.iterations and should_refresh(config, k, status):
             refresh_cfg = rm_refresh.Config.of(config, k)
-            refreshed = rm_refresh.rm_refresh_task(
+            refreshed = timed(rm_refresh.rm_refresh_task)(
                 f"rm-refresh-{k}", refresh_cfg,
                 rm_refresh.Inputs.of(refresh_cfg, data, policy, proxy, heldout, outcome.refreshes), runner)
             outcome.refreshes.append(refreshed)
@@ -131,7 +141,9 @@ def _mark(status: str):
 # --------------------------------------------------------------------------------------------- the flow
 
 
-@flow(name="rlhf-pipeline", flow_run_name=flow_run_name, persist_result=False, log_prints=True,
+# Prefect writes a failed flow run's exception as a result even with persistence off: as JSON, never a pickle.
+@flow(name="rlhf-pipeline", flow_run_name=flow_run_name, persist_result=False, result_serializer="json",
+      log_prints=True,
       on_failure=[_mark("failed")], on_crashed=[_mark("crashed")], on_cancellation=[_mark("failed")])
 def rlhf_pipeline(run_id: str | None = None, state_dir: str = DEFAULT_STATE_DIR, preset: str | None = None,
                   config_file: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -144,10 +156,12 @@ def rlhf_pipeline(run_id: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
     store = RunStore(state_dir).ensure()
     run_id = run_id or prefect_run_id()
     if not store.exists(run_id):
-        config = load_config(config_file, preset, overrides or [])
-        store.create_run(config.name, dump_config_text(config), run_id)
+        # as `rlhf run --state-dir D` does: the recorded config says where the run lives
+        config = load_config(config_file, preset, [*(overrides or []), f"state_dir={state_dir}"])
+        store.create_run(config.name, dump_config_text(config), run_id, preset)
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else None
-    with store.hold(run_id, f"Prefect flow run {flow_run_id}" if flow_run_id else "rlhf pipeline") as run:
+    with (store.hold(run_id, f"Prefect flow run {flow_run_id}" if flow_run_id else "rlhf pipeline") as run,
+          run_logging(store.log_file(run_id))):
         run.record.prefect_flow_run_id = flow_run_id or run.record.prefect_flow_run_id
         run.set_status("running")
         config = load_config(store.config_file(run_id))
@@ -157,18 +171,48 @@ def rlhf_pipeline(run_id: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
 
 
 def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str, Any]:
-    """The stages inside the run's MLflow parent run, then the summary."""
+    """The stages inside the run's MLflow parent run, then the summary.
+
+    The parent is what runs are compared by: its name and ``rlhf.changed`` tag say what the run changed from its
+    preset; heldout-eval logs the headline metrics into it per iteration; its description is the summary table.
+    """
     configure_tracking(store, config.tracking.tracking_uri)
     started = time.monotonic()
-    with pipeline_run(config.tracking.experiment, run.run_id, f"{config.name} {run.run_id}",
-                      flatten_for_params(config), {"rlhf.name": config.name},
+    changes = changed_settings(config, run.record.preset)
+    title = run_title(config.name, changes, run.run_id)
+    tags = {"rlhf.name": config.name, "rlhf.preset": run.record.preset or "none", "rlhf.code_version": code_version(),
+            "rlhf.changed": " ".join(f"{k}={v}" for k, v in changes.items()) or "none"}
+    with pipeline_run(config.tracking.experiment, run.run_id, title, flatten_for_params(config), tags,
                       amended=bool(run.record.amendments)) as parent:
         run.record.mlflow_run_id = parent
         run.save()
-        log_file(parent, store.config_file(run.run_id), "config")
+        tracking.set_run_name(parent, title)  # an amended config renames it
+        tracking.set_description(parent, running_markdown(run.run_id, run.record.preset, changes))
+        log_file(parent, store.config_file(run.run_id))  # at the root: the compare page lists top-level files
         outcome = run_stages(config, Runner(store, run, parent, config.tracking))
         summary = build_summary(config, outcome, run.record)
-        summary.update(run_id=run.run_id, seconds=time.monotonic() - started, mlflow_run_id=parent)
+        summary.update(run_id=run.run_id, seconds=time.monotonic() - started, mlflow_run_id=parent,
+                       mlflow_url=tracking.run_url(parent), preset=run.record.preset, changed=changes)
         path = store.write_summary(run.run_id, summary)
-        log_file(parent, path, "summary")
+        log_file(parent, path)
+        tracking.set_tags(parent, {"eval.status": summary["status"], "eval.promoted": str(summary["promoted"])})
+        tracking.set_description(parent, summary_markdown(summary))
+    publish_summary_artifact(summary)
     return summary
+
+
+def run_title(name: str, changes: dict[str, str], run_id: str) -> str:
+    """The MLflow run name: what the run changed from its preset first (the UI cuts long names), then the
+    preset's name and the end of the run id: 'ppo.kl.coef=0.2 · tiny · 8606d2'."""
+    changed = " ".join(f"{k}={v}" for k, v in changes.items() if k != "name")
+    if len(changed) > 60:
+        changed = changed[:59] + "…"
+    return " · ".join(part for part in (changed, name, run_id.rsplit("-", 1)[-1]) if part)
+
+
+def publish_summary_artifact(summary: dict[str, Any]) -> None:
+    """The summary as a markdown artifact of the Prefect flow run (its Artifacts tab)."""
+    if FlowRunContext.get() is None:
+        return
+    create_markdown_artifact(summary_markdown(summary), key="rlhf-summary",
+                             description=f"rlhf run {summary['run_id']}: results and lineage")

@@ -86,3 +86,40 @@ def refresh_line(refresh: dict[str, Any]) -> str:
     gold = f" (gold-judged {change('onpolicy_gold')})" if "refresh/onpolicy_gold_accuracy_after" in refresh else ""
     return (f"rm-refresh after iteration {refresh.get('iteration', '?')}: on-policy accuracy {change('onpolicy')}{gold}, "
             f"held-out {change('heldout')}, {'promoted' if refresh['promoted'] else 'not promoted'}")
+
+
+def running_markdown(run_id: str, preset: str | None, changes: dict[str, str]) -> str:
+    """The parent run's description while it runs."""
+    return f"**rlhf run {run_id}** (running)\n\n" + _changes_markdown(preset, changes)
+
+
+def _changes_markdown(preset: str | None, changes: dict[str, str]) -> str:
+    base = f"preset `{preset}`" if preset else "the code defaults"
+    if not changes:
+        return f"Config: {base}, unchanged.\n"
+    return f"Config: {base}, with " + ", ".join(f"`{k}={v}`" for k, v in changes.items()) + ".\n"
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The summary for people: the MLflow parent run's description and the Prefect flow run's artifact."""
+    columns = list(SCORES)
+    lines = [f"**rlhf run {summary.get('run_id', '?')}**: {summary['status']}"
+             + (f" ({'; '.join(summary['reasons'])})" if summary["reasons"] else ""), "",
+             _changes_markdown(summary.get("preset"), summary.get("changed") or {}), "",
+             "| policy | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for name, row in summary["policies"].items():
+        cells = [f"{row[c]:.3f}" if row.get(c) is not None else "-" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {refresh_line(r)}" for r in summary.get("refreshes", [])]
+    lines.append(f"- final policy promoted to champion: {summary['promoted']}")
+    cached = {label: a["cached_from"] for label, a in summary.get("artifacts", {}).items() if a.get("cached_from")}
+    if cached:
+        lines.append("- reused from earlier runs: " + ", ".join(f"{label} (run {run})"
+                                                                 for label, run in cached.items()))
+    if summary.get("mlflow_url"):
+        lines.append(f"- MLflow: [{summary['mlflow_run_id']}]({summary['mlflow_url']})")
+    elif summary.get("mlflow_run_id"):
+        lines.append(f"- MLflow parent run: {summary['mlflow_run_id']}")
+    lines.append(f"- {summary.get('seconds', 0.0):.0f}s")
+    return "\n".join(lines) + "\n"

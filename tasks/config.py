@@ -27,7 +27,7 @@ from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
 from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
-from tasks.typed_yaml import ConfigError, build, derived, merge_layer, parse_override, read_yaml
+from tasks.typed_yaml import ConfigError, build, derived, flatten_for_params, merge_layer, parse_override, read_yaml
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
 
@@ -224,14 +224,36 @@ class TrackingSection:
 
     experiment: str = "rlhf"
     """MLflow experiment of the pipeline runs."""
-    policy_model: str = "rlhf-policy"
-    """Registered model name of policy checkpoints."""
-    reward_model: str = "rlhf-reward-model"
-    """Registered model name of the proxy reward model."""
-    heldout_reward_model: str = "rlhf-heldout-reward-model"
-    """Registered model name of the held-out reward model."""
+    policy_model: str | None = None
+    """Registered model name of policy checkpoints; None = '<experiment>-policy', so runs of another experiment
+    (a smoke test on the tiny preset) never move this experiment's @champion."""
+    reward_model: str | None = None
+    """Registered model name of the proxy reward model; None = '<experiment>-reward-model'."""
+    heldout_reward_model: str | None = None
+    """Registered model name of the held-out reward model; None = '<experiment>-heldout-reward-model'."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None = SQLite in the state dir. The MLFLOW_TRACKING_URI env variable wins."""
+
+    def __post_init__(self) -> None:
+        # resolved here, once: the recorded config names the models it registers
+        for name, suffix in (("policy_model", "policy"), ("reward_model", "reward-model"),
+                             ("heldout_reward_model", "heldout-reward-model")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, f"{self.experiment}-{suffix}")
+
+
+@dataclass(frozen=True)
+class OrchestrationSection:
+    """How Prefect runs the stages (none of it enters an artifact key)."""
+
+    stage_timeout_minutes: float | None = None
+    """A stage (one task run) still running after this many minutes fails with a timeout and the run can be
+    resumed (``rlhf resume``); None = no limit. Set it on scheduled runs so a hung stage does not hold the
+    deployment's single slot forever."""
+
+    def __post_init__(self) -> None:
+        if self.stage_timeout_minutes is not None and not self.stage_timeout_minutes > 0:
+            raise ValueError("orchestration.stage_timeout_minutes must be > 0 (or null for no limit)")
 
 
 @dataclass(frozen=True)
@@ -307,6 +329,8 @@ class PipelineConfig:
     """MLflow names."""
     distributed: DistributedSection = field(default_factory=DistributedSection)
     """In-process or DeepSpeed training for the reward-model and ppo-iteration stages."""
+    orchestration: OrchestrationSection = field(default_factory=OrchestrationSection)
+    """Stage timeouts."""
 
     def __post_init__(self) -> None:
         if self.refresh.enabled and self.refresh.annotator == "simulated" and self.data.source != "demo":
@@ -351,6 +375,18 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
     for item in overrides:
         merge_layer(merged, parse_override(item), f"override '{item}'", origins)
     return build(PipelineConfig, merged, "", origins)
+
+
+#: Settings that say where a run lives, not what it does (and may hold credentials): never shown as changes.
+_NOT_CHANGES = ("state_dir", "tracking.tracking_uri")
+
+
+def changed_settings(config: PipelineConfig, preset: str | None) -> dict[str, str]:
+    """The settings of ``config`` that differ from ``preset`` (from the code defaults when None), as
+    ``{'ppo.kl.coef': '0.2'}``: what tells one run of a preset from another."""
+    base = flatten_for_params(load_config(None, preset) if preset in available_presets() else PipelineConfig())
+    mine = flatten_for_params(config)
+    return {k: v for k, v in mine.items() if base.get(k) != v and k not in _NOT_CHANGES}
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "serialised config") -> PipelineConfig:

@@ -203,6 +203,11 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_params(flatten_for_params(cfg))
     pub.log_metrics(result.metrics)
     pub.log_files([result.counts, result.quarantine], "data")
+    tables = {"train_pairs": (result.train_pairs, "training"), "heldout_pairs": (result.heldout_pairs, "evaluation"),
+              "ppo_prompts": (result.ppo_prompts, "training"), "eval_prompts": (result.eval_prompts, "evaluation")}
+    if result.sft_train is not None:
+        tables["sft_train"] = (result.sft_train, "training")
+    pub.log_tables(tables)
 
 
 STAGE = Stage(NAME, compute, publish, Result)

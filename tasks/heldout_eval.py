@@ -39,6 +39,10 @@ CHAMPION = "champion"
 SAMPLES_FILE, METRICS_FILE, REASONS_FILE = "eval_samples.parquet", "eval_metrics.json", "eval_reasons.txt"
 PLOTS = ("plots/eval_scores.png", "plots/eval_lengths.png", "plots/eval_overoptimisation.png")
 STATUS_TAG = "eval.status"
+#: What the pipeline's parent run carries per iteration (step = iteration), so compared runs line up on them.
+HEADLINE = ("eval/proxy/mean", "eval/heldout/mean", "eval/gold/mean", "eval/kl/mean", "eval/win_rate/gold",
+            "eval/win_rate/heldout", "eval/length/mean", "eval/reference/proxy/mean", "eval/reference/heldout/mean",
+            "eval/reference/gold/mean")
 #: ``eval/hacking`` metric value of each verdict.
 HACKING_CODES = {"ok": 0, "warn": 1, "hacking": 2}
 
@@ -262,10 +266,17 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_params(flatten_for_params(cfg))
     pub.log_metrics(result.metrics, step=cfg.iteration)
     pub.set_tags({STATUS_TAG: result.status})
+    pub.log_headline({k: result.metrics[k] for k in HEADLINE if k in result.metrics}, step=cfg.iteration,
+                     tags={STATUS_TAG: result.status, "eval.iteration": cfg.iteration})
     pub.log_files([result.samples, result.metrics_file, result.reasons_file], "eval")
     pub.log_files(result.plots, "plots")
+    policy = pub.registered_input("policy", "policy")
+    if policy is not None:
+        shown = {k.removeprefix("eval/").replace("/mean", ""): f"{result.metrics[k]:.4g}" for k in HEADLINE
+                 if k in result.metrics and "reference" not in k}
+        pub.tag_model(policy, {STATUS_TAG: result.status, **{f"eval.{k}": v for k, v in shown.items()},
+                               "eval.reasons": "; ".join(result.reasons) or "-"})
     if result.promote:
-        policy = pub.registered_input("policy", "policy")
         if policy is None:
             log.warning("heldout-eval %d: the policy has no registered version in this run; champion stays where it "
                         "is", cfg.iteration)

@@ -249,6 +249,9 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_files([result.metrics_file])
     for role, name in (("proxy", pub.names.reward_model), ("heldout", pub.names.heldout_reward_model)):
         ref = pub.register(role, name, getattr(result, role))
+        prefix = f"rm/{role}/eval/"
+        pub.tag_model(ref.uri, {f"eval.{k.removeprefix(prefix)}": f"{v:.4g}" for k, v in result.metrics.items()
+                                if k.startswith(prefix)})
         if pub.alias_version(name, "champion") is None:  # the first RM is the champion that refreshes must match
             pub.set_alias(name, "champion", ref.version)
 

@@ -334,6 +334,9 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_files([result.train_pairs, result.eval_pairs, result.quarantine], "pairs")
     pub.log_files([result.metrics_file])
     ref = pub.register("reward_model", pub.names.reward_model, result.reward_model)
+    pub.tag_model(ref.uri, {"refresh.promotion": result.reason,
+                            **{f"eval.{k.removeprefix('refresh/')}": f"{v:.4g}" for k, v in result.metrics.items()
+                               if k.endswith("_accuracy_after")}})
     if result.promoted:
         pub.set_alias(pub.names.reward_model, "champion", ref.version)
 

@@ -120,6 +120,25 @@ class Publication:
     def log_params(self, params: Mapping[str, object]) -> None:
         tracking.log_params_flat(params, self.mlflow_run_id)
 
+    def log_headline(self, metrics: Mapping[str, float], step: int | None = None,
+                     tags: Mapping[str, object] | None = None) -> None:
+        """Results the pipeline's parent run carries too (its columns when runs are compared), at ``step``."""
+        tracking.log_metrics(self.runner.parent_run_id, metrics, step)
+        if tags:
+            tracking.set_tags(self.runner.parent_run_id, {k: str(v) for k, v in tags.items()})
+
+    def log_tables(self, tables: Mapping[str, tuple[str, str]]) -> None:
+        """Parquet tables of the artifact as MLflow datasets of the stage run and the parent run:
+        name -> (relative path, context such as 'training')."""
+        files = self.artifact.record.files
+        tracking.log_tables([self.mlflow_run_id, self.runner.parent_run_id],
+                            {name: (self.artifact.path(relative), context, files.get(relative, {}).get("sha256", ""))
+                             for name, (relative, context) in tables.items()})
+
+    def tag_model(self, uri: str, tags: Mapping[str, object]) -> None:
+        """Tags on a registered version (its evaluation, hacking status), shown in the model registry."""
+        tracking.tag_model_version(uri, tags)
+
     def log_files(self, relatives: Sequence[str], artifact_path: str | None = None) -> None:
         """Files (or folders) of the artifact, as MLflow artifacts of the stage run."""
         for relative in relatives:
@@ -212,6 +231,8 @@ def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: 
 def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Runner, cached_from: str | None) -> None:
     entry = runner.run.stage(label)
     tags = _tags(runner, stage, artifact.key) | ({"rlhf.cached_from": cached_from} if cached_from else {})
+    if cached_from:  # the parent says which stages this run reused, and from which run
+        tracking.set_tags(runner.parent_run_id, {f"rlhf.cached_from.{label}": cached_from})
     with tracking.stage_run(label, runner.parent_run_id, tags, entry.mlflow_run_id) as mlflow_id:
         first = entry.mlflow_run_id is None
         runner.run.stage_update(label, mlflow_run_id=mlflow_id)
@@ -244,4 +265,5 @@ def stage_task(stage: Stage, retries: int = 1, retry_delay_seconds: float = 5) -
 
     body.__name__ = body.__qualname__ = stage.name.replace("-", "_")
     return task(name=stage.name, task_run_name="{label}", retries=retries, retry_delay_seconds=retry_delay_seconds,
-                retry_condition_fn=retry_on_transient_io, persist_result=False, log_prints=True)(body)
+                retry_condition_fn=retry_on_transient_io, persist_result=False, result_serializer="json",
+                log_prints=True)(body)

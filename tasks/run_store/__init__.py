@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tasks.run_store.artifacts import Artifact, ArtifactError, ArtifactPart, Claim, read_artifact
 from tasks.run_store.keys import LocalPath, ModelSource, code_version, stage_key
-from tasks.run_store.layout import CONFIG_FILE, FORMAT_VERSION, RUN_LOCK, SUMMARY_FILE, Layout, LayoutError
+from tasks.run_store.layout import (CONFIG_FILE, FORMAT_VERSION, LOG_FILE, RUN_LOCK, SUMMARY_FILE, Layout,
+                                   LayoutError)
 from tasks.run_store.locks import FileLock, Holder, LockBusy, holder_if_alive, now_iso
 from tasks.run_store.runs import RunRecord, RunStatus, StageEntry, new_run_id
 
@@ -141,15 +142,20 @@ class RunStore:
     def summary_file(self, run_id: str) -> Path:
         return self.layout.run_file(run_id, SUMMARY_FILE)
 
+    def log_file(self, run_id: str) -> Path:
+        """The run's log: every attempt's log lines and the full traceback of a failure, appended."""
+        return self.layout.run_file(run_id, LOG_FILE)
+
     def write_summary(self, run_id: str, summary: dict) -> Path:
         """The run's ``summary.json`` (written atomically); returns its path."""
         path = self.summary_file(run_id)
         _write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
         return path
 
-    def create_run(self, name: str, config_yaml: str, run_id: str | None = None) -> RunRecord:
+    def create_run(self, name: str, config_yaml: str, run_id: str | None = None,
+                   preset: str | None = None) -> RunRecord:
         """A new 'running' record with its resolved config; StateError if ``run_id`` exists already."""
-        record = RunRecord(run_id=run_id or new_run_id(), name=name)
+        record = RunRecord(run_id=run_id or new_run_id(), name=name, preset=preset)
         folder = self.layout.run_dir(record.run_id)
         try:
             folder.mkdir(parents=True)

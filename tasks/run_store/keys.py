@@ -122,6 +122,23 @@ def _field_marks(cls: type) -> dict[str, _PathMark]:
     return {f.name: mark for f in dataclasses.fields(cls) if (mark := _marks(hints[f.name])) is not None}
 
 
+def relative_paths(config: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> value of every ``LocalPath`` / ``ModelSource`` setting that names a relative local path (a
+    model setting only when such a path exists): what another working folder would read differently."""
+    found: dict[str, str] = {}
+    marks = _field_marks(type(config))
+    for f in dataclasses.fields(config):
+        value, key = getattr(config, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found.update(relative_paths(value, f"{key}."))
+        elif f.name in marks:
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                relative = isinstance(item, str) and "://" not in item and not os.path.isabs(item)
+                if relative and (not isinstance(marks[f.name], _ModelMark) or os.path.exists(item)):
+                    found[key] = item
+    return found
+
+
 def canonical(value: Any, resolve_model: ModelResolver | None = None, mark: _PathMark | None = None) -> Any:
     """JSON-able, order-independent form of a config slice or an input, with local paths replaced by content."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -5,7 +5,7 @@ the run store for a run's file or an artifact's folder.
       artifacts/<stage>/<key>/      published stage outputs: record.json + files; immutable once published
       work/<stage>/<key>/           unfinished work of one key: claim.lock, out/ (the artifact being written),
                                     checkpoints a killed stage resumes from
-      runs/<run_id>/                one run: run.json (the record), config.yaml, summary.json, lock
+      runs/<run_id>/                one run: run.json (the record), config.yaml, summary.json, run.log, lock
       cache/models/                 downloads of models:/ URIs given as inputs
       mlflow.db, mlartifacts/       MLflow's SQLite store and artifact root (when no tracking server is set)
       prefect/                      PREFECT_HOME of Prefect's temporary local server
@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
+LOG_FILE = "run.log"
 RUN_LOCK = "lock"
 RECORD_FILE = "record.json"
 CLAIM_LOCK = "claim.lock"

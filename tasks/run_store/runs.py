@@ -57,6 +57,8 @@ class RunRecord:
     """The run's id (see module docstring)."""
     name: str
     """Config name (e.g. 'demo')."""
+    preset: str | None = None
+    """The preset the config was resolved over (None: the code defaults); runs are described by what they change."""
     created: str = field(default_factory=now_iso)
     """UTC ISO creation time."""
     status: RunStatus = "running"

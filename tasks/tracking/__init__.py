@@ -12,13 +12,14 @@ Helpers take explicit MLflow run ids: MLflow's active run is thread-local and Pr
 """
 
 from tasks.tracking.registry import (ModelRef, get_alias_version, is_transient_error, model_identity, parse_model_uri,
-                                     register_model, resolve_model_uri, set_alias)
+                                     register_model, resolve_model_uri, set_alias, tag_model_version)
 from tasks.tracking.runs import (KIND_TAG, RUN_ID_TAG, STAGE_TAG, StageTracker, end_run, log_figure, log_file,
-                                 log_metrics, log_params_flat, logged_keys, pipeline_run, replay_metrics, set_tags,
-                                 stage_run)
+                                 log_metrics, log_params_flat, log_tables, logged_keys, pipeline_run, replay_metrics, run_url,
+                                 set_description, set_run_name, set_tags, stage_run)
 from tasks.tracking.setup import configure_tracking, ensure_experiment, rebase_local_store
 
 __all__ = ["KIND_TAG", "RUN_ID_TAG", "STAGE_TAG", "ModelRef", "StageTracker", "configure_tracking", "end_run",
            "ensure_experiment", "get_alias_version", "is_transient_error", "log_figure", "log_file", "log_metrics",
            "log_params_flat", "logged_keys", "model_identity", "parse_model_uri", "pipeline_run", "rebase_local_store",
-           "register_model", "replay_metrics", "resolve_model_uri", "set_alias", "set_tags", "stage_run"]
+           "register_model", "replay_metrics", "resolve_model_uri", "set_alias", "set_description", "set_run_name",
+           "set_tags", "stage_run", "tag_model_version", "log_tables", "run_url"]

@@ -48,6 +48,15 @@ def _version_filter(name: str, tags: Mapping[str, str]) -> str:
     return " and ".join([f"name='{name}'", *(f"tags.`{k}`='{v}'" for k, v in sorted(tags.items()))])
 
 
+#: What each role's model maps (the registry's "Schema"): a policy writes a response to a prompt; a reward model
+#: scores a prompt and response. Only metadata: the folders are Hugging Face checkpoints, not pyfunc models.
+SIGNATURES = {
+    "policy": ({"prompt": "string"}, {"response": "string"}),
+    **{role: ({"prompt": "string", "response": "string"}, {"score": "double"})
+       for role in ("proxy", "heldout", "reward_model")},
+}
+
+
 def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str, lineage: Mapping[str, str],
                    aliases: Sequence[str] = ("candidate",), description: str = "") -> ModelRef:
     """Register ``folder`` as a version of ``name`` for ``mlflow_run_id``, tagged with ``lineage``.
@@ -55,6 +64,7 @@ def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str
     Idempotent: a version carrying the same ``rlhf.run_id``, ``rlhf.artifact_key`` and ``rlhf.role`` tags is
     returned instead of registering another (a retried or resumed stage). A version of the same artifact that
     another run registered lends its files (no second upload of the weights). ``aliases`` move to the version.
+    The uploaded files get an ``MLmodel`` with the role's signature (:data:`SIGNATURES`), shown by the registry.
     """
     client = MlflowClient()
     try:
@@ -75,18 +85,19 @@ def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str
                                                    description=description or None).version)
 
         try:
-            version = create(same[0].source if same else _upload(client, Path(folder), name, mlflow_run_id))
+            version = create(same[0].source if same else _upload(client, Path(folder), name, mlflow_run_id,
+                                                                 lineage.get("rlhf.role")))
         except MlflowException as err:
             # A tracking server may refuse a source that lies in another run's artifacts: upload this copy then.
             if not same or err.error_code != "INVALID_PARAMETER_VALUE":
                 raise
-            version = create(_upload(client, Path(folder), name, mlflow_run_id))
+            version = create(_upload(client, Path(folder), name, mlflow_run_id, lineage.get("rlhf.role")))
     for alias in aliases:
         client.set_registered_model_alias(name, alias, str(version))
     return ModelRef(name, version)
 
 
-def _upload(client: MlflowClient, folder: Path, name: str, run_id: str) -> str:
+def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: str | None) -> str:
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot register {folder}: not a folder (save the model with save_pretrained first)")
     base = artifact_path = f"models/{slug(name)}"
@@ -95,7 +106,29 @@ def _upload(client: MlflowClient, folder: Path, name: str, run_id: str) -> str:
         n += 1
         artifact_path = f"{base}-{n}"
     client.log_artifacts(run_id, str(folder), artifact_path)
+    if role in SIGNATURES:
+        with tempfile.TemporaryDirectory() as scratch:
+            _signature_file(role, Path(scratch) / "MLmodel")
+            client.log_artifact(run_id, str(Path(scratch) / "MLmodel"), artifact_path)
     return f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+
+
+def _signature_file(role: str, path: Path) -> None:
+    from mlflow.models import Model, ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    inputs, outputs = SIGNATURES[role]
+    signature = ModelSignature(Schema([ColSpec(t, n) for n, t in inputs.items()]),
+                               Schema([ColSpec(t, n) for n, t in outputs.items()]))
+    Model(signature=signature, metadata={"rlhf.role": role, "format": "Hugging Face save_pretrained folder"}).save(path)
+
+
+def tag_model_version(uri: str, tags: Mapping[str, object]) -> None:
+    """Tags on the registered version ``uri`` names (evaluation results, hacking status), shown in the registry."""
+    ref = parse_model_uri(uri)
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(ref.name, str(ref.version), key, str(value))
 
 
 def set_alias(name: str, alias: str, version: int) -> None:

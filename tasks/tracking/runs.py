@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,6 +140,47 @@ def log_params_flat(params: Mapping[str, object], run_id: str, amended: bool = F
     for chunk in _chunks(list(fresh.items()), MAX_PARAMS_TAGS_PER_BATCH):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     return fresh
+
+
+def log_tables(run_ids: Sequence[str], tables: Mapping[str, tuple[Path, str, str]]) -> None:
+    """Parquet tables as MLflow datasets (the run page's 'Datasets used', the runs table's dataset column):
+    name -> (path, context such as 'training' / 'evaluation', content digest). Each run logs them once."""
+    import pandas as pd
+    from mlflow.data import from_pandas
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    client = MlflowClient()
+    inputs = []
+    for name, (path, context, digest) in tables.items():
+        with warnings.catch_warnings():  # MLflow's hints on source types and integer columns are not for users
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = from_pandas(pd.read_parquet(path), source=str(path), name=name, digest=digest[:36])
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+    for run_id in run_ids:
+        logged = {(d.dataset.name, d.dataset.digest) for d in client.get_run(run_id).inputs.dataset_inputs}
+        fresh = [i for i in inputs if (i.dataset.name, i.dataset.digest) not in logged]
+        if fresh:
+            client.log_inputs(run_id, datasets=fresh)
+
+
+def run_url(run_id: str, base: str | None = None) -> str | None:
+    """The run's page in the MLflow UI: on the tracking server, or on ``base`` (a local ``mlflow ui``); None
+    for a local store without ``base``."""
+    uri = base or mlflow.get_tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return None
+    experiment_id = MlflowClient().get_run(run_id).info.experiment_id
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def set_run_name(run_id: str, name: str) -> None:
+    MlflowClient().set_tag(run_id, "mlflow.runName", name)
+
+
+def set_description(run_id: str, markdown: str) -> None:
+    """The run page's description (markdown)."""
+    MlflowClient().set_tag(run_id, "mlflow.note.content", markdown)
 
 
 def log_figure(run_id: str, fig: Figure, artifact_path: str) -> None:

@@ -26,6 +26,9 @@ _SERVER_SCHEMES = frozenset({"http", "https", "databricks", "databricks-uc"})
 _LOCATION_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"), ("model_versions", "source"),
                      ("model_versions", "storage_location"), ("logged_models", "artifact_location"))
 
+#: MLflow 3's UI opens an experiment without this tag on its GenAI (traces) view; ours are training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
 _store: RunStore | None = None
 #: The URI configure_tracking chose itself (not from the environment), see there.
 _own_uri: str | None = None
@@ -40,6 +43,8 @@ def configure_tracking(store: RunStore, uri: str | None = None) -> str:
     """
     global _store, _own_uri
     _store = store
+    # MLflow asks an outside telemetry host on every run unless told not to; the user may turn it back on.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI for subprocesses, so the variable may hold our own
     # earlier choice; only a value we did not set is the user's, and only the user's wins.
     env = os.environ.get("MLFLOW_TRACKING_URI")
@@ -97,13 +102,15 @@ def ensure_experiment(name: str) -> str:
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
+        if EXPERIMENT_KIND[0] not in experiment.tags:  # made by an older version, or by hand
+            client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
         return experiment.experiment_id
     location = None
     if urlparse(mlflow.get_tracking_uri()).scheme not in _SERVER_SCHEMES:
         # A local store would otherwise put artifacts in ./mlruns of whatever directory we run in.
         location = (configured_store().layout.mlartifacts / slug(name)).as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another process created it first
             raise

@@ -22,4 +22,4 @@ def new_tiny_run(state_dir: Path, *overrides: str) -> tuple[RunStore, RunRecord]
     """A run with the tiny preset's config recorded in its folder (what `rlhf run` does before the flow)."""
     config = load_config(None, "tiny", [f"state_dir={state_dir}", *overrides])
     store = RunStore(config.state_dir).ensure()
-    return store, store.create_run(config.name, dump_config_text(config))
+    return store, store.create_run(config.name, dump_config_text(config), preset="tiny")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 
+import tasks.sft
 from flows.cli import main
 from tasks.run_store import RunStore
 
@@ -56,3 +58,73 @@ def test_bad_override_and_stage_names_are_one_clear_line(tmp_path, capsys):
     assert len(err) == 1 and "unknown stage 'ppo-iteration-0'" in err[0]
     assert main(["resume", "nope", "--state-dir", str(tmp_path)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_a_stage_that_runs_past_its_timeout_fails_in_one_line_and_resumes(tmp_path, monkeypatch, capsys):
+    """The operator's rerun path: one line (stage, cause, log file, resume command), the traceback in the log, then
+    `rlhf resume` with the limit lifted finishes the same run."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    real = tasks.sft.read_demonstrations
+
+    def hung(*args, **kwargs):  # sft hangs while reading its data (a stuck node, a dead file system)
+        time.sleep(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.sft, "read_demonstrations", hung)
+    state_dir = str(tmp_path / "state")
+    started = time.monotonic()
+    assert main(["run", "--preset", "tiny", "--state-dir", state_dir, "ppo.iterations=1", "refresh.enabled=false",
+                 "orchestration.stage_timeout_minutes=0.1"]) == 1
+    assert time.monotonic() - started < 100
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    (line,) = err
+    store = RunStore(state_dir)
+    (record,) = store.list_runs()
+    assert record.status == "failed" and f"run {record.run_id} failed in stage sft: TaskRunTimeoutError" in line
+    assert "(orchestration.stage_timeout_minutes)" in line and f"log: {store.log_file(record.run_id)}" in line
+    assert line.endswith(f"continue with: rlhf resume {record.run_id} --state-dir {store.root}")
+    log = store.log_file(record.run_id).read_text()
+    assert "Traceback (most recent call last)" in log and "TaskRunTimeoutError" in log
+    assert "data-prep: computing artifact" in log  # the attempt's progress lines, for the operator
+
+    monkeypatch.setattr(tasks.sft, "read_demonstrations", real)
+    assert main(["resume", record.run_id, "orchestration.stage_timeout_minutes=null", "--state-dir", state_dir]) == 0
+    assert store.load_run(record.run_id).status == "completed"
+
+
+def test_the_ui_hint_links_the_run_on_a_free_port(tmp_path):
+    import socket
+
+    from flows.commands import free_port, mlflow_hint
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        assert free_port(busy) != busy
+    summary = {"mlflow_run_id": "abc", "mlflow_url": "http://mlflow:5000/#/experiments/3/runs/abc"}
+    assert mlflow_hint(RunStore(tmp_path), summary) == "MLflow run: http://mlflow:5000/#/experiments/3/runs/abc"
+
+
+def test_an_unreachable_prefect_server_is_one_line_naming_it(tmp_path):
+    """No traceback when Prefect cannot be reached: the URL, the resume command, and the run marked failed."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(PREFECT_API_URL=f"http://127.0.0.1:{port}/api", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    state = tmp_path / "state"
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir", str(state)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"the Prefect API at http://127.0.0.1:{port}/api did not answer" in line and "rlhf resume" in line
+    (record,) = RunStore(state).list_runs()
+    assert record.status == "failed"

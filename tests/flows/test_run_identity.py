@@ -20,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.settings import PREFECT_API_URL
+from prefect.settings import PREFECT_API_URL, get_current_settings
 
 import tasks.stage
 from flows.cli import main
@@ -152,8 +152,7 @@ def test_a_moved_state_folder_resumes_with_its_own_mlflow_store(tmp_path, monkey
     state, moved = tmp_path / "state", tmp_path / "moved"
     args = ["run", "--preset", "tiny", *TINY, "refresh.enabled=false", *unique("move", tmp_path)]
     fail_once(monkeypatch, "ppo-iteration-2")
-    with pytest.raises(RuntimeError, match="injected failure"):
-        run_cli(*args, "--state-dir", str(state))
+    assert run_cli(*args, "--state-dir", str(state)) == 1  # "injected failure", in one line
     monkeypatch.setattr(tasks.stage, "run_stage", REAL_RUN_STAGE)
     (failed,) = RunStore(state).list_runs()
     shutil.move(str(state), moved)
@@ -199,6 +198,12 @@ def test_nothing_in_the_state_folder_is_a_pickle(tmp_path, mlflow_store):
                and p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")]
     assert pickles == []
     assert list(state.glob("runs/*/run.json")) and not list(state.glob("prefect/results/*"))
+    # A failed flow run's exception is a result Prefect always writes, whatever the persistence setting: JSON.
+    assert run_cli("run", "--preset", "tiny", *TINY, "sft.base_model=/nonexistent", *unique("pickle", tmp_path),
+                   "--state-dir", str(state)) == 1
+    storage = Path(get_current_settings().results.local_storage_path)
+    written = [p for p in storage.iterdir() if p.is_file()] if storage.is_dir() else []
+    assert written and not [p for p in written if '"type": "pickle"' in p.read_text(errors="replace")]
 
 
 @pytest.mark.slow
@@ -236,8 +241,8 @@ def test_a_planted_pickle_never_runs_and_the_cli_says_which_file(tmp_path, mlflo
     sft_record = state / "artifacts" / "sft" / record.stages["sft"].key / "record.json"
     sft_record.write_bytes(pickle.dumps(_Exploit()))
     assert run_cli("resume", record.run_id, "--state-dir", str(state)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert str(sft_record) in err[-1] and "not a valid artifact record" in err[-1] and "rlhf resume" in err[0]
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert str(sft_record) in err and "not a valid artifact record" in err and "rlhf resume" in err
     # Where the run's own record was: refused before anything starts.
     store.layout.run_file(record.run_id).write_bytes(pickle.dumps(_Exploit()))
     assert run_cli("resume", record.run_id, "--state-dir", str(state)) == 2

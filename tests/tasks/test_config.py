@@ -17,7 +17,8 @@ from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import PRESETS as MODEL_SIZES, ModelSize
 from rlhf_core.training.ppo_step import make_kl_controller
 from rlhf_core.training.sft import SFTConfig
-from tasks.config import ConfigError, PipelineConfig, SFTSection, available_presets, config_from_dict, load_config
+from tasks.config import (ConfigError, PipelineConfig, SFTSection, available_presets, changed_settings, config_from_dict,
+                          load_config)
 from tasks.typed_yaml import config_to_dict, dump_config, flatten_for_params
 
 
@@ -304,3 +305,32 @@ def test_prep_files_runs_the_data_stage_with_the_loaded_config(tmp_path: Path, m
     assert cfg.demo is None and cfg.seed is None  # user files: no demo sizes, no seed in data-prep's key
 
 
+
+
+def test_registered_model_names_follow_the_experiment_unless_set() -> None:
+    """A smoke run on the tiny preset registers under its own names: it can never move the demo's @champion."""
+    tiny, demo = load_config(None, "tiny").tracking, load_config(None, "demo").tracking
+    assert (tiny.policy_model, tiny.reward_model, tiny.heldout_reward_model) == (
+        "rlhf-tiny-policy", "rlhf-tiny-reward-model", "rlhf-tiny-heldout-reward-model")
+    assert demo.policy_model == "rlhf-demo-policy" != tiny.policy_model
+    assert load_config(None, "tiny", ["tracking.policy_model=shared"]).tracking.policy_model == "shared"
+    # resolved once: the recorded config names them, and reloading it keeps them under another experiment
+    assert load_config(None, "tiny", ["tracking.experiment=x"]).tracking.reward_model == "x-reward-model"
+
+
+def test_stage_timeout_is_positive_or_none() -> None:
+    assert load_config(None, "tiny").orchestration.stage_timeout_minutes is None
+    assert load_config(None, "tiny", ["orchestration.stage_timeout_minutes=90"]).orchestration.stage_timeout_minutes == 90
+    message = error_of(path=None, preset="tiny", overrides=["orchestration.stage_timeout_minutes=0"])
+    assert "orchestration.stage_timeout_minutes must be > 0" in message
+
+
+def test_changed_settings_are_what_differs_from_the_preset(tmp_path: Path) -> None:
+    config = load_config(None, "tiny", ["ppo.kl.coef=0.2", "state_dir=/elsewhere", "seed=0",
+                                        "tracking.tracking_uri=http://user:secret@host"])
+    # the same value as the preset is no change; where the run lives (or a URI with a password) is never shown
+    assert changed_settings(config, "tiny") == {"ppo.kl.coef": "0.2"}
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("ppo:\n  iterations: 7\n")
+    assert changed_settings(load_config(mine, "demo"), "demo") == {"ppo.iterations": "7"}
+    assert "name" in changed_settings(load_config(None, "tiny"), None)  # against the code defaults

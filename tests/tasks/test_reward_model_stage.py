@@ -129,8 +129,12 @@ def test_both_models_are_registered_with_lineage_and_the_candidate_alias(stage: 
         version = client.get_model_version_by_alias(name, "candidate")
         assert int(version.version) == 1 and version.run_id == entry.mlflow_run_id
         assert int(client.get_model_version_by_alias(name, "champion").version) == 1  # the first RM of the name
-        assert version.tags == {"rlhf.run_id": harness.run_id, "rlhf.stage": LABEL, "rlhf.role": role,
-                                "rlhf.artifact_key": stage.identity(), "rlhf.produced_by": harness.run_id}
+        lineage = {k: v for k, v in version.tags.items() if k.startswith("rlhf.")}
+        assert lineage == {"rlhf.run_id": harness.run_id, "rlhf.stage": LABEL, "rlhf.role": role,
+                           "rlhf.artifact_key": stage.identity(), "rlhf.produced_by": harness.run_id}
+        # its evaluation on the held-out pairs, in the registry
+        accuracy = stage.result["metrics"][f"rm/{role}/eval/accuracy"]
+        assert float(version.tags["eval.accuracy"]) == pytest.approx(accuracy, abs=1e-3)
     assert (stage.path("proxy") / "config.json").is_file() and (stage.path("heldout") / "tokenizer.json").is_file()
 
 

@@ -32,7 +32,7 @@ STAGE_MODULES = (data_prep, sft, reward_model, best_of_n, ppo_iteration, heldout
 
 #: Settings no stage reads: where a run lives and how it is named and tracked, never what it computes.
 RUN_LEVEL = {"name", "state_dir", "tracking.experiment", "tracking.policy_model", "tracking.reward_model",
-             "tracking.heldout_reward_model", "tracking.tracking_uri"}
+             "tracking.heldout_reward_model", "tracking.tracking_uri", "orchestration.stage_timeout_minutes"}
 #: Settings that cannot change alone (validation ties them to another): the other variant changes them.
 ONLY_WITH_ANOTHER = {
     "data.source": "files needs data.files", "data.files": "only with data.source=files",

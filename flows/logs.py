@@ -1,0 +1,93 @@
+"""Where a run's log lines go: the console (progress, one line per failure), the run's log file (everything,
+tracebacks included) and the Prefect flow run's log page.
+
+Our loggers (``rlhf_core``, ``tasks``, ``flows``) log at INFO; libraries keep WARNING. Library progress bars are
+off: our own progress lines carry rate and ETA, and a worker's output should not fill with weight-loading bars.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PROJECT_LOGGERS = ("rlhf_core", "tasks", "flows")
+#: Prefect's reports of task and flow runs (a failure's with a full traceback): the run's log file and Prefect's
+#: UI keep them, the console of a CLI run gets one line instead (flows/commands.py).
+_FAILURE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+log = logging.getLogger(__name__)
+
+
+def quiet_libraries() -> None:
+    """Library progress bars and chatter off (in this process and the workers it starts)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    if "mlflow" in sys.modules:  # configured at its import from the variable above; here when imported earlier
+        logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
+
+
+def console_logging() -> None:
+    """The CLI's console: our lines with their time and logger; Prefect's failure reports (each with a full
+    traceback) stay out of it, the CLI prints one line instead (they still reach the run's log file and Prefect)."""
+    logging.basicConfig(level=logging.WARNING, format=FORMAT, datefmt="%H:%M:%S")
+    for name in _FAILURE_LOGGERS:
+        logging.getLogger(name).propagate = False
+    quiet_libraries()
+
+
+@contextmanager
+def run_logging(log_file: Path) -> Iterator[None]:
+    """While a run executes: every log line (ours at INFO, libraries' warnings, Prefect's failure reports) is
+    appended to ``log_file``, and ours also go to the Prefect flow run's log page. A failure's traceback is
+    written to the file once, here."""
+    quiet_libraries()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_file, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_file.setLevel(logging.INFO)
+    # the root logger gets every line; Prefect's run loggers may not propagate there (the CLI's console_logging)
+    holders = [logging.getLogger(), *(logger for logger in map(logging.getLogger, _FAILURE_LOGGERS)
+                                      if not logger.propagate)]
+    for holder in holders:
+        holder.addHandler(to_file)
+    to_prefect = _prefect_handler()
+    project = [logging.getLogger(name) for name in PROJECT_LOGGERS]
+    if to_prefect is not None:
+        for logger in project:
+            logger.addHandler(to_prefect)
+    try:
+        yield
+    except BaseException:
+        # the file only: the console gets one line from the CLI, Prefect has the task's own report
+        to_file.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "the run stopped", (), sys.exc_info()))
+        raise
+    finally:
+        if to_prefect is not None:
+            for logger in project:
+                logger.removeHandler(to_prefect)
+        for holder in holders:
+            holder.removeHandler(to_file)
+        to_file.close()
+
+
+def _prefect_handler() -> logging.Handler | None:
+    """Prefect's API log handler, unless PREFECT_LOGGING_EXTRA_LOGGERS attaches one to our loggers already."""
+    from prefect.logging.handlers import APILogHandler
+
+    if any(isinstance(h, APILogHandler) for name in PROJECT_LOGGERS for h in logging.getLogger(name).handlers):
+        return None
+    return APILogHandler()
