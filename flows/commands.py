@@ -227,10 +227,13 @@ def mlflow_hint(store: RunStore, summary: dict) -> str:
     if summary.get("mlflow_url"):
         return f"MLflow run: {summary['mlflow_url']}"
     port = free_port(5000)
-    url = tracking.run_url(run_id, f"http://127.0.0.1:{port}") if run_id else f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    url = tracking.run_url(run_id, base) if run_id else base
+    runs = url.split("/runs/", 1)[0] + "/runs?workflowType=machine_learning" if run_id else base
     return ("look at it in the MLflow UI:\n"
             f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{store.layout.mlflow_db} --port {port}\n"
-            f"  then open {url}")
+            f"  then open {url}\n"
+            f"  (all runs of the experiment, to select and compare: {runs})")
 
 
 def free_port(preferred: int) -> int:
@@ -239,6 +242,7 @@ def free_port(preferred: int) -> int:
 
     for port in (preferred, 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
@@ -424,8 +428,10 @@ def _server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server with us
     process = None
     try:
+        # the UI asks the API at PREFECT_UI_API_URL, which otherwise stays on the default port
+        env = {**os.environ, "PREFECT_UI_API_URL": url, "PREFECT_SERVER_API_PORT": str(port)}
         process = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                    "--port", str(port)], preexec_fn=_die_with_parent)
+                                    "--port", str(port)], env=env, preexec_fn=_die_with_parent)
         info.write_text(json.dumps({"api_url": url, "pid": process.pid}) + "\n", encoding="utf-8")
         print(f"Prefect server for {root}: UI http://127.0.0.1:{port}; rlhf commands on this state folder use it."
               f"\nOther programs: export PREFECT_API_URL={url}", flush=True)

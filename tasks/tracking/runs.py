@@ -171,7 +171,8 @@ def run_url(run_id: str, base: str | None = None) -> str | None:
     if not uri.startswith(("http://", "https://")):
         return None
     experiment_id = MlflowClient().get_run(run_id).info.experiment_id
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3's UI opens a fresh browser on its GenAI views whatever the experiment's kind; this picks training runs
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def set_run_name(run_id: str, name: str) -> None:
