@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,7 @@ from torch import nn
 
 from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_config
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, publish, read_run_state, write_run_state
+from rlhf_core.training.guards import NonFiniteError
 from rlhf_core.training.strategy import LRLambda, TrainableGroup
 
 T = TypeVar("T")
@@ -153,9 +155,12 @@ class DeepSpeedStrategy:
     def step(self) -> tuple[float, ...]:
         """Each engine averages its accumulated gradients over ranks, clips them to its max norm and steps."""
         norms = []
-        for engine in self.engines:
+        for i, engine in enumerate(self.engines):
             engine.step()
-            norm = engine.get_global_grad_norm()
+            norm = engine.get_global_grad_norm()  # None when the engine does not compute it
+            if norm is not None and not math.isfinite(float(norm)):
+                # DeepSpeed applied it (fp32 / bf16 do not skip steps): stop before the loop checkpoints the result
+                raise NonFiniteError(f"gradient norm of engine {i} is {float(norm)}")
             norms.append(float(norm) if norm is not None else float("nan"))
         return tuple(norms)
 

@@ -16,6 +16,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.ppo.stats import PPOStats
 from rlhf_core.training.checkpoint import latest_checkpoint, load_weights, trainable_view
 from rlhf_core.training.experience import PPOModels
+from rlhf_core.training.guards import NonFiniteError, require_finite_metrics, require_finite_weights
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.training.sampler import PromptSampler
 from rlhf_core.training.strategy import LocalStrategy, StrategyFactory
@@ -29,6 +30,11 @@ class PPORunResult:
 
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_from_step: int = 0
+
+
+#: Step metrics that must be finite (the scores and KL of the rollouts, the losses and gradient norms).
+FINITE_METRICS = ("ppo/scores/raw_mean", "ppo/scores/mean", "ppo/kl/mean", "ppo/rewards/mean", "ppo/policy/loss",
+                  "ppo/value/loss", "ppo/policy/grad_norm", "ppo/value/grad_norm")
 
 
 def _modules(models: PPOModels, config: PPOConfig) -> dict[str, torch.nn.Module]:
@@ -86,9 +92,18 @@ def train_ppo(
         _restore(saved, state, sampler, result)
         log.info("%s PPO from %s (step %d)", verb, found, state.step)
     started, first_step = time.monotonic(), state.step
+    last_saved = found
     while state.step < n_updates:
         batch = [prompts[i] for i in sampler.next_batch()]
-        stats = ppo_step(models, optimizer, None, state, batch, config, strategy)
+        number = state.step + 1
+        try:
+            stats = ppo_step(models, optimizer, None, state, batch, config, strategy)
+            require_finite_metrics(stats.to_metrics(), FINITE_METRICS)
+            require_finite_weights(_modules(models, config))
+        except NonFiniteError as error:
+            kept = f"the last checkpoint ({last_saved}) stays" if last_saved is not None else "nothing was saved"
+            raise NonFiniteError(f"PPO step {number}: {error}; training stopped and {kept}. Lower ppo.learning_rate "
+                                 "(or check the reward model's scores)") from None
         result.history.append(stats.to_metrics())
         if on_step is not None:
             on_step(stats)
@@ -96,7 +111,7 @@ def train_ppo(
             _log_progress(state.step, n_updates, first_step, started, stats)
         periodic = checkpoint_every > 0 and state.step % checkpoint_every == 0
         if checkpoint_dir is not None and (periodic or state.step == n_updates):
-            strategy.save_checkpoint(
+            last_saved = strategy.save_checkpoint(
                 checkpoint_dir, state.step, _modules(models, config), state.generator,
                 _snapshot(state, sampler, result),
             )

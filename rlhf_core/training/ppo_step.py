@@ -23,6 +23,7 @@ from rlhf_core.ppo.masking import masked_mean, masked_var
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import PPOStats, TimeStats, UpdateStats
 from rlhf_core.training.experience import Experience, PPOModels, collect_experience
+from rlhf_core.training.guards import refuse_non_finite
 from rlhf_core.training.strategy import (
     LocalStrategy,
     Strategy,
@@ -211,6 +212,7 @@ def ppo_update(
                 micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(device))
                 with autocast(config.autocast, device):
                     loss, parts = micro_batch_loss(models, micro, config, kl_coef)
+                refuse_non_finite(strategy, "PPO loss", float(loss.detach()), parts)
                 strategy.backward(loss / accumulation)
                 _accumulate(totals, parts, 1.0 / accumulation)
             policy_norm, value_norm = strategy.step()

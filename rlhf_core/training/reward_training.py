@@ -19,6 +19,7 @@ from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models.roles import disable_dropout, sequence_scores
 from rlhf_core.models.text import encode_pair, keep_tail, pad_id, right_pad
 from rlhf_core.ppo.losses import bradley_terry_loss
+from rlhf_core.training.guards import NonFiniteError, refuse_non_finite, require_finite_weights
 from rlhf_core.training.strategy import Strategy, StrategyFactory, TrainableGroup, local_strategy, weighted_shard
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,12 @@ def train_reward_model(
     for epoch in range(1, config.epochs + 1):
         rng.shuffle(order)
         for start in range(0, len(order), config.batch_size):
-            metrics = _train_step(scorer, tokenizer, train, order[start : start + config.batch_size], strategy, config)
+            try:
+                metrics = _train_step(scorer, tokenizer, train, order[start : start + config.batch_size], strategy,
+                                      config)
+            except NonFiniteError as error:
+                raise NonFiniteError(f"reward-model step {step + 1}: {error}; training stopped before applying it. "
+                                     "Lower the learning rate") from None
             step += 1
             result.train_loss.append(metrics["rm/train/loss"])
             result.train_accuracy.append(metrics["rm/train/accuracy"])
@@ -221,6 +227,7 @@ def train_reward_model(
     if adapter is not None:
         merge_adapter(adapter)  # a plain classifier again, which the caller saves and scores as before
     model.eval()
+    require_finite_weights({"reward model": model})  # nothing non-finite is saved, registered or scores
     result.seconds = time.monotonic() - started
     return result
 
@@ -267,6 +274,7 @@ def _train_step(
     if config.center_rewards_coef is not None:
         loss = loss + config.center_rewards_coef * ((chosen + rejected) ** 2).mean()
     strategy.zero_grad()
+    refuse_non_finite(strategy, "reward-model loss", float(loss.detach()))
     strategy.backward(loss * weight)
     (grad_norm,) = strategy.step()
     n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing

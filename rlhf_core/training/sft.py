@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_special_tokens
+from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,11 @@ def train_sft(
     with dropout_override(model, config.dropout):
         for step, batch in enumerate(_batches(train, config, shuffler), start=1):
             model.train()
-            loss, grad_norm = _train_step(model, optimizer, batch, config, tokenizer.pad_token_id)
+            try:
+                loss, grad_norm = _train_step(model, optimizer, batch, config, tokenizer.pad_token_id)
+            except NonFiniteError as error:
+                raise NonFiniteError(f"SFT step {step}: {error}; training stopped before applying it. Lower "
+                                     "sft.learning_rate") from None
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             train_losses.append(loss)
@@ -262,6 +267,7 @@ def train_sft(
                 evaluate(step)
     evaluate(total_steps)
     model.eval()
+    require_finite_weights({"SFT policy": model})  # nothing non-finite is saved, registered or evaluated
     seconds = time.perf_counter() - started
     return SFTResult(tuple(train_losses), tuple(eval_steps), tuple(eval_losses), seconds)
 
@@ -291,10 +297,11 @@ def _train_step(
         loss_sum, _ = reply_token_loss(model, batch)
         (loss_sum / n_tokens).backward()
         total += float(loss_sum.detach())
+    require_finite("SFT loss", total / n_tokens)
     max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = require_finite("SFT gradient norm", torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     optimizer.step()
-    return total / n_tokens, float(grad_norm)
+    return total / n_tokens, grad_norm
 
 
 def _make_optimizer(

@@ -16,6 +16,7 @@ Data-parallel contract, what makes N processes compute what one process computes
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from torch import nn
 
 from rlhf_core.training.checkpoint import load_checkpoint, save_checkpoint
 from rlhf_core.training.experience import concat_rollouts
+from rlhf_core.training.guards import NonFiniteError
 from rlhf_core.training.rollout import Rollout
 
 T = TypeVar("T")
@@ -146,9 +148,14 @@ class LocalStrategy:
         loss.backward()
 
     def step(self) -> tuple[float, ...]:
-        """Clip each parameter group on its own (policy and value model apart), then step."""
+        """Clip each parameter group on its own (policy and value model apart), then step; a non-finite gradient
+        norm drops the gradients and raises NonFiniteError instead (the weights stay as they were)."""
         norms = tuple(float(torch.nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm))
                       for group in self.optimizer.param_groups)
+        bad = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
+        if bad:
+            self.zero_grad()
+            raise NonFiniteError(f"gradient norm of parameter group {bad[0]} (of {len(norms)}) is {norms[bad[0]]}")
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

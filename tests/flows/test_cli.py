@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 import tasks.sft
 from flows.cli import main
 from tasks.run_store import RunStore
@@ -128,3 +130,38 @@ def test_an_unreachable_prefect_server_is_one_line_naming_it(tmp_path):
     assert f"the Prefect API at http://127.0.0.1:{port}/api did not answer" in line and "rlhf resume" in line
     (record,) = RunStore(state).list_runs()
     assert record.status == "failed"
+
+
+def test_a_diverging_ppo_run_stops_in_one_line_and_registers_nothing_non_finite(tmp_path, monkeypatch, capsys):
+    """ppo.learning_rate=1e3 turns the policy to NaN within a step: the step is refused before the optimizer
+    applies it, the stage fails naming the step and the quantity, and no PPO policy is saved, registered,
+    evaluated or promoted."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    state_dir = str(tmp_path / "state")
+    assert main(["run", "--preset", "tiny", "--state-dir", state_dir, "ppo.learning_rate=1e3"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "failed in stage ppo-iteration-1: NonFiniteError: PPO step 1: " in line
+    assert "is nan" in line and "Lower ppo.learning_rate" in line
+    store = RunStore(state_dir)
+    (record,) = store.list_runs()
+    assert record.status == "failed" and "heldout-eval-1" not in record.stages
+    assert store.artifact("ppo-iteration", record.stages["ppo-iteration-1"].key) is None
+    versions = MlflowClient().search_model_versions("name='rlhf-tiny-policy'")
+    assert [v.tags["rlhf.stage"] for v in versions] == ["sft"]
+
+
+@pytest.mark.parametrize("override, stage, message", [
+    ("sft.learning_rate=1e4", "sft", "NonFiniteError: SFT step "),
+    ("reward_model.training.learning_rate=1e8", "reward-model", "NonFiniteError: reward-model step "),
+])
+def test_sft_and_reward_model_training_stop_on_non_finite_values(override, stage, message, tmp_path, monkeypatch,
+                                                                 capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    state_dir = str(tmp_path / "state")
+    assert main(["run", "--preset", "tiny", "--state-dir", state_dir, "ppo.iterations=1", override]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"failed in stage {stage}: {message}" in line and "training stopped before applying it" in line
+    (record,) = RunStore(state_dir).list_runs()
+    assert RunStore(state_dir).artifact(stage, record.stages[stage].key) is None  # nothing published
