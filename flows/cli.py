@@ -137,8 +137,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (imported only when one is raised, to keep `--help` fast)."""
     from tasks.config import ConfigError
     from tasks.run_store import ArtifactError, StateError
+    from tasks.tracking.runs import TrackingUnavailable
 
-    return (DataError, ConfigError, StateError, ArtifactError)
+    return (DataError, ConfigError, StateError, ArtifactError, TrackingUnavailable)
 
 
 if __name__ == "__main__":

@@ -135,13 +135,17 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _start(config_file: str | None, preset: str | None, overrides: list[str], state_dir: str | None) -> int:
-    from tasks.config import load_config
+    from tasks.config import resolve_config
     from tasks.typed_yaml import dump_config_text
 
     if state_dir is not None:
         overrides = [*overrides, f"state_dir={state_dir}"]
-    config = load_config(config_file, preset, overrides)
+    config = resolve_config(config_file, preset, overrides)
     prepare_environment(config.state_dir)
+    from tasks.tracking import check_server, keep_credentials_out
+
+    config = keep_credentials_out(config)
+    check_server(os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.tracking_uri)  # before a run exists
     from tasks.run_store import RunStore
 
     store = RunStore(config.state_dir).ensure()
@@ -153,8 +157,13 @@ def _start(config_file: str | None, preset: str | None, overrides: list[str], st
 def _execute(store: RunStore, run_id: str) -> int:
     from flows.pipeline import rlhf_pipeline
     from flows.summary import format_summary
+    from tasks.config import resolve_config
 
     store.refuse_if_held(run_id)
+    config = resolve_config(store.config_file(run_id))  # a file or device gone since the run started fails here
+    from tasks.tracking import check_server
+
+    check_server(os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.tracking_uri)
     ensure_prefect_database(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
@@ -271,11 +280,13 @@ def _resume(args: argparse.Namespace) -> int:
 
 def amend_config(store: RunStore, run_id: str, overrides: list[str]) -> None:
     """Apply ``overrides`` to the run's recorded config (kept as config.<n>.yaml) and note them in the record."""
-    from tasks.config import load_config
+    from tasks.config import resolve_config
     from tasks.run_store.locks import now_iso
     from tasks.typed_yaml import dump_config_text
 
-    config = load_config(store.config_file(run_id), None, overrides)
+    from tasks.tracking import keep_credentials_out
+
+    config = keep_credentials_out(resolve_config(store.config_file(run_id), None, overrides))
     with store.hold(run_id, "rlhf resume (amending the config)") as run:
         store.replace_config(run_id, dump_config_text(config))
         run.record.amendments.append({"time": now_iso(), "overrides": overrides})
@@ -349,12 +360,17 @@ def close_crashed(store: RunStore, records: list[RunRecord]) -> None:
 def schedule_parameters(args: argparse.Namespace) -> tuple[dict, str]:
     """The deployment's parameters for ``rlhf schedule`` (paths made absolute: the flow may run elsewhere), and
     the resolved config's name; the config is resolved now as ``rlhf run`` would, so mistakes fail here."""
-    from tasks.config import load_config
+    from tasks.config import ConfigError, resolve_config
+    from tasks.tracking.setup import without_credentials
 
     config_file = str(Path(args.config).resolve()) if args.config else None
     overrides = list(args.overrides)
-    config = load_config(config_file, args.preset, overrides + ([f"state_dir={args.state_dir}"] if args.state_dir
+    config = resolve_config(config_file, args.preset, overrides + ([f"state_dir={args.state_dir}"] if args.state_dir
                                                                  else []))
+    if config.tracking.tracking_uri and without_credentials(config.tracking.tracking_uri)[1] is not None:
+        raise ConfigError("tracking.tracking_uri holds a user and password, which the deployment would keep in "
+                          "Prefect's database: drop them from the URI and set MLFLOW_TRACKING_USERNAME / "
+                          "MLFLOW_TRACKING_PASSWORD where the flows run")
     if args.pool:  # a worker runs the flows in its own folder: relative paths would name other files there
         overrides += absolute_path_overrides(config)
     return ({"preset": args.preset, "config_file": config_file, "overrides": overrides,
@@ -368,10 +384,7 @@ def absolute_path_overrides(config: object) -> list[str]:
     from tasks.run_store.keys import relative_paths
 
     changed = []
-    for key, _ in relative_paths(config).items():
-        value = config
-        for part in key.split("."):
-            value = getattr(value, part)
+    for key, value in relative_paths(config).items():
         absolute = ([str(Path(v).resolve()) for v in value] if isinstance(value, (list, tuple))
                     else str(Path(value).resolve()))
         changed.append(f"{key}={json.dumps(absolute)}")

@@ -29,11 +29,11 @@ from prefect.runtime import flow_run as current_flow_run
 from flows.logs import run_logging
 from flows.summary import build_summary, running_markdown, summary_markdown
 from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft, tracking
-from tasks.config import PipelineConfig, changed_settings, load_config
+from tasks.config import PipelineConfig, changed_settings, load_config, resolve_config
 from tasks.run_store import ActiveRun, Artifact, RunStore, new_run_id
 from tasks.run_store.keys import code_version
 from tasks.stage import Runner
-from tasks.tracking import configure_tracking, log_file, pipeline_run
+from tasks.tracking import configure_tracking, keep_credentials_out, log_file, pipeline_run
 from tasks.typed_yaml import dump_config_text, flatten_for_params
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,8 @@ def rlhf_pipeline(run_id: str | None = None, state_dir: str = DEFAULT_STATE_DIR,
     run_id = run_id or prefect_run_id()
     if not store.exists(run_id):
         # as `rlhf run --state-dir D` does: the recorded config says where the run lives
-        config = load_config(config_file, preset, [*(overrides or []), f"state_dir={state_dir}"])
+        config = keep_credentials_out(resolve_config(config_file, preset,
+                                                     [*(overrides or []), f"state_dir={state_dir}"]))
         store.create_run(config.name, dump_config_text(config), run_id, preset)
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else None
     with (store.hold(run_id, f"Prefect flow run {flow_run_id}" if flow_run_id else "rlhf pipeline") as run,
@@ -195,7 +196,7 @@ def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str
                        mlflow_url=tracking.run_url(parent), preset=run.record.preset, changed=changes)
         path = store.write_summary(run.run_id, summary)
         log_file(parent, path)
-        tracking.set_tags(parent, {"eval.status": summary["status"], "eval.promoted": str(summary["promoted"])})
+        tracking.set_tags(parent, {"eval.promoted": str(summary["promoted"])})  # eval.status: heldout-eval's
         tracking.set_description(parent, summary_markdown(summary))
     publish_summary_artifact(summary)
     return summary

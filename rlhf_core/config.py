@@ -6,9 +6,11 @@ Defaults follow the consensus of TRL 1.12 / OpenRLHF / verl where they agree (se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from rlhf_core.ppo.kl import KLEstimator
+from rlhf_core.ranges import (ClipNorm, Count, Fraction, NonNegative, Positive, PositiveInt, Range,
+                              check_ranges)
 
 Autocast = Literal["none", "bf16"]
 """Precision of training forwards: the weights' own ('none') or bf16 autocast (rlhf_core/models/memory.py)."""
@@ -18,33 +20,26 @@ Autocast = Literal["none", "bf16"]
 class GenerationConfig:
     """How rollouts are sampled."""
 
-    max_new_tokens: int = 48
+    max_new_tokens: PositiveInt = 48
     """Longest response; a response that reaches it without a stop token is 'truncated'."""
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     """Sampling temperature; also divides the logits in every log-prob recomputation."""
-    top_k: int = 0
+    top_k: Annotated[int, Range(ge=0, note="0 = off")] = 0
     """Keep only the k most likely tokens when sampling (0 = off). Log-probs use the full softmax."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1, note="1 = off")] = 1.0
     """Nucleus sampling threshold (1.0 = off). Log-probs use the full softmax."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Prompts generated at once (rollouts are produced in chunks of this size)."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"generation.top_k must be >= 0 (0 = off), got {self.top_k}")
+        check_ranges(self, "generation")
 
 
 @dataclass(frozen=True)
 class KLConfig:
     """The KL leash between the policy and the frozen reference."""
 
-    coef: float = 0.05
+    coef: NonNegative = 0.05
     """Initial KL coefficient (TRL 0.05, OpenRLHF 0.01, verl 0.001)."""
     estimator: KLEstimator = "k1"
     """Per-token KL estimator used for the penalty: k1 (TRL default), k2, k3, abs."""
@@ -52,10 +47,13 @@ class KLConfig:
     """'reward': -coef*kl in the per-token reward (InstructGPT); 'loss': coef*KL added to the loss (GRPO-style)."""
     adaptive: bool = False
     """Adapt coef towards `target` per-sequence KL (Ziegler et al.); else coef stays fixed."""
-    target: float = 6.0
+    target: Positive = 6.0
     """Target per-sequence KL (nats, summed over tokens) for the adaptive controller."""
-    horizon: float = 10000.0
+    horizon: Positive = 10000.0
     """Adaptive controller horizon in samples: larger = slower adaptation."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "kl")
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,13 @@ class RewardShapingConfig:
 
     missing_stop_penalty: float | None = None
     """If set, a response that ends without a stop token gets this score instead of the model's."""
-    clip: float | None = None
+    clip: Positive | None = None
     """Clip scores to [-clip, clip] (OpenRLHF 10, DeepSpeed-Chat 5); None = off."""
     normalize: bool = False
     """Normalise scores with running mean/std across batches (mean shifted)."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "reward")
 
 
 @dataclass(frozen=True)
@@ -76,63 +77,58 @@ class LoRAConfig:
 
     enabled: bool = False
     """Train a LoRA adapter (and the heads) instead of every weight."""
-    rank: int = 8
+    rank: PositiveInt = 8
     """r: rank of the learned update ``B @ A``."""
-    alpha: float = 16.0
+    alpha: Positive = 16.0
     """The update is scaled by ``alpha / rank``."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout on the adapter's input. Reward-model training only: PPO must run without dropout (ratio 1)."""
     target_modules: tuple[str, ...] = ()
     """Names of the linear layers to adapt; () = every linear layer of the blocks (GPT-2: c_attn, c_proj,
     c_fc; Llama/Mistral/Qwen2: q/k/v/o_proj, gate/up/down_proj; other models: peft's 'all-linear')."""
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check_ranges(self, "lora")
 
 
 @dataclass(frozen=True)
 class PPOConfig:
     """One PPO update = one rollout batch, `ppo_epochs` passes over it in mini-batches."""
 
-    rollout_batch_size: int = 64
+    rollout_batch_size: PositiveInt = 64
     """Prompts (= rollouts) per PPO update."""
-    mini_batch_size: int = 16
+    mini_batch_size: PositiveInt = 16
     """Rollouts per optimizer step; must divide rollout_batch_size."""
-    micro_batch_size: int = 16
+    micro_batch_size: PositiveInt = 16
     """Rollouts per forward/backward; mini_batch_size / micro_batch_size = gradient-accumulation steps."""
-    ppo_epochs: int = 4
+    ppo_epochs: PositiveInt = 4
     """Passes over each rollout batch (TRL 4; OpenRLHF/verl 1)."""
-    learning_rate: float = 1e-5
+    learning_rate: Positive = 1e-5
     """Policy learning rate (AdamW)."""
-    value_learning_rate: float = 1e-5
+    value_learning_rate: Positive = 1e-5
     """Value model (critic or value head) learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """AdamW weight decay."""
     lr_schedule: Literal["constant", "linear"] = "constant"
     """Learning-rate schedule over `total_updates` optimizer steps."""
-    warmup_steps: int = 0
+    warmup_steps: Count = 0
     """Linear warm-up optimizer steps."""
-    total_updates: int = 100
+    total_updates: PositiveInt = 100
     """Planned PPO updates (used only by the linear schedule). The pipeline derives it: ``ppo.iterations x
     ppo.updates_per_iteration``."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: ClipNorm = 1.0
     """Gradient-norm clip per model (TRL's PPO never applied its own; we do)."""
-    clip_range: float = 0.2
+    clip_range: Positive = 0.2
     """Policy ratio clip epsilon."""
-    clip_range_value: float | None = 0.2
+    clip_range_value: Positive | None = 0.2
     """Value clip epsilon around the old values; None disables value clipping."""
-    vf_coef: float = 0.1
+    vf_coef: NonNegative = 0.1
     """c1: weight of the value loss in the combined objective."""
-    entropy_coef: float = 0.0
+    entropy_coef: NonNegative = 0.0
     """c2: weight of the entropy bonus."""
-    gamma: float = 1.0
+    gamma: Fraction = 1.0
     """Discount per token."""
-    lam: float = 0.95
+    lam: Fraction = 0.95
     """GAE lambda."""
     advantage: Literal["gae", "sequence"] = "gae"
     """'gae': token-level GAE; 'sequence': A = R - V(s) broadcast over tokens."""
@@ -140,7 +136,7 @@ class PPOConfig:
     """Whiten advantages over the rollout batch (mean shifted)."""
     value_model: Literal["critic", "head"] = "head"
     """'critic': separate model initialised from the reward model; 'head': linear value head on the policy."""
-    ref_refresh_every: int = 0
+    ref_refresh_every: Annotated[int, Range(ge=0, note="0 = never")] = 0
     """Copy the policy into the reference every N updates (0 = never). With LoRA: merge the adapter into the
     shared base weights and restart the adapter (B = 0, fresh A, its optimizer moments cleared)."""
     kl: KLConfig = field(default_factory=KLConfig)
@@ -158,10 +154,11 @@ class PPOConfig:
     autocast: Autocast = "none"
     """'bf16': training forwards, old and reference log-probs and values under bf16 autocast (halves activation
     memory, faster on GPUs with bf16 units); 'none': the weights' own precision."""
-    seed: int = 0
+    seed: Count = 0
     """Seed for prompt order and sampling."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, "ppo")
         if self.lora.enabled and self.lora.dropout > 0:
             raise ValueError(
                 f"ppo.lora.dropout must be 0 (got {self.lora.dropout}): PPO runs every model without dropout so "
@@ -182,35 +179,33 @@ class PPOConfig:
                 "ppo.whiten_advantages needs ppo.rollout_batch_size >= 8 (whitening a tiny batch is noise); "
                 "raise the batch size or set whiten_advantages=False"
             )
-        if self.ppo_epochs < 1:
-            raise ValueError(f"ppo.ppo_epochs must be >= 1, got {self.ppo_epochs}")
 
 
 @dataclass(frozen=True)
 class RewardTrainingConfig:
     """Bradley-Terry reward-model training."""
 
-    epochs: int = 1
+    epochs: PositiveInt = 1
     """Passes over the training pairs."""
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """Pairs per optimizer step."""
-    learning_rate: float = 1e-4
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
+    learning_rate: NonNegative = 1e-4
+    """AdamW learning rate (0 = score and report without updating)."""
+    weight_decay: NonNegative = 0.0
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: ClipNorm = 1.0
     """Gradient-norm clip."""
-    max_length: int = 256
+    max_length: Annotated[int, Range(ge=2, note="a prompt and a reply token")] = 256
     """Tokens per prompt+response; longer inputs keep the end (where the reply is) and are counted."""
     use_margin: bool = False
     """Subtract the per-pair `margin` column inside the sigmoid (Llama-2 style)."""
-    center_rewards_coef: float | None = None
+    center_rewards_coef: NonNegative | None = None
     """If set, add coef * mean((s_chosen + s_rejected)^2) to keep scores centred (TRL option)."""
     gradient_checkpointing: bool = False
     """Recompute block activations in the backward pass instead of storing them (same gradients, less memory)."""
     autocast: Autocast = "none"
     """'bf16': training and evaluation forwards under bf16 autocast; 'none': the weights' own precision."""
-    seed: int = 0
+    seed: Count = 0
     """Seed for shuffling and head initialisation."""
     select_best_epoch: bool = False
     """Score the eval pairs before training and after every epoch and keep the weights with the lowest eval loss
@@ -219,3 +214,6 @@ class RewardTrainingConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Train a LoRA adapter and the score head instead of every weight; the adapter is merged into the weights
     when training ends, so the result is a plain sequence classifier."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "reward_model.training")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.data import DataPrepConfig
@@ -25,6 +25,7 @@ from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
+from rlhf_core.ranges import Count, Fraction, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
 from tasks.typed_yaml import ConfigError, build, derived, flatten_for_params, merge_layer, parse_override, read_yaml
@@ -64,7 +65,7 @@ class SFTSection(SFTConfig):
     held-out loss and gold report are still measured)."""
     base_model: ModelSource | None = None
     """Hugging Face id or local path of the base policy; None = build a small GPT and a BPE tokenizer here."""
-    vocab_size: int = 2000
+    vocab_size: Annotated[int, Range(ge=MIN_VOCAB_SIZE, note='byte-level BPE')] = 2000
     """Vocabulary of the BPE tokenizer trained on the task text (only when base_model is None)."""
     model_size: Literal["tiny", "demo"] | ModelSize = "demo"
     """Size of the GPT built here: a preset name (``rlhf_core.models.lm.PRESETS``) or its shape
@@ -72,12 +73,11 @@ class SFTSection(SFTConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_ranges(self, "sft")
         if isinstance(self.model_size, str):
             model_size(self.model_size)  # fails with the list of presets
         if not self.enabled and self.base_model is None:
             raise ValueError("sft.enabled=false needs sft.base_model (the SFT policy to start PPO from)")
-        if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"sft.vocab_size must be >= {MIN_VOCAB_SIZE} (byte-level BPE), got {self.vocab_size}")
 
 
 @dataclass(frozen=True)
@@ -103,20 +103,16 @@ class PPOSection(PPOConfig):
     total_updates: int = field(init=False, metadata=derived("ppo.iterations x ppo.updates_per_iteration"))
     """Planned PPO updates of the whole run, ``iterations x updates_per_iteration`` (derived, not a setting;
     only the linear learning-rate schedule reads it)."""
-    iterations: int = 3
+    iterations: PositiveInt = 3
     """Outer pipeline iterations N."""
-    updates_per_iteration: int = 20
+    updates_per_iteration: PositiveInt = 20
     """PPO updates (rollout batches) inside one ppo-iteration stage."""
-    checkpoint_every: int = 5
+    checkpoint_every: Annotated[int, Range(ge=0, note='0 = none')] = 5
     """Save a resumable checkpoint every this many updates inside the stage (0 = none, restart on failure)."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, "ppo")  # before the parent's rules divide by them
         super().__post_init__()
-        for name in ("iterations", "updates_per_iteration"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"ppo.checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every}")
         object.__setattr__(self, "total_updates", self.iterations * self.updates_per_iteration)
 
 
@@ -124,28 +120,22 @@ class PPOSection(PPOConfig):
 class EvalSection:
     """The heldout-eval stage and the promotion gate."""
 
-    n_prompts: int = 256
+    n_prompts: PositiveInt = 256
     """Evaluation prompts scored per iteration."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Range(ge=0, note='0 = greedy')] = 1.0
     """Sampling temperature of evaluation replies; 0 = greedy. Keep it at the PPO sampling temperature: the
     reported KL is a sample estimate that is only meaningful on replies sampled from the policy itself."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Prompts generated and scored at once."""
-    kl_budget: float = 10.0
+    kl_budget: Positive = 10.0
     """Largest mean per-sequence KL to the reference (nats) a promoted policy may have."""
-    hacking_margin: float = 0.0
+    hacking_margin: NonNegative = 0.0
     """Flag reward hacking when the proxy score rises while the held-out score falls by more than this."""
-    min_win_rate: float = 0.5
+    min_win_rate: Fraction = 0.5
     """Promote a policy only when its held-out win rate against the reference reaches this."""
 
     def __post_init__(self) -> None:
-        if self.n_prompts < 1 or self.batch_size < 1:
-            raise ValueError(f"eval.n_prompts and eval.batch_size must be >= 1, "
-                             f"got {self.n_prompts}, {self.batch_size}")
-        if self.temperature < 0:
-            raise ValueError(f"eval.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 <= self.min_win_rate <= 1.0:
-            raise ValueError(f"eval.min_win_rate must be in [0, 1], got {self.min_win_rate}")
+        check_ranges(self, "eval")
 
 
 @dataclass(frozen=True)
@@ -154,7 +144,7 @@ class RefreshSection:
 
     enabled: bool = True
     """Run rm-refresh at all."""
-    every_k: int = 0
+    every_k: Annotated[int, Range(ge=0, note='0 = only when eval flags reward hacking')] = 0
     """Refresh on a schedule every k iterations (0 = only when eval flags reward hacking)."""
     on_hacking: bool = True
     """Refresh whenever heldout-eval flags reward hacking."""
@@ -162,7 +152,7 @@ class RefreshSection:
     """Who labels fresh pairs: 'simulated' is the demo task's annotator, the human stand-in (needs
     data.source='demo'); 'file' exports the pairs for people to label and imports ``labels_file``;
     'rm_judge' lets the reward model ``judge_model`` prefer the higher-scoring reply."""
-    annotator_temperature: float = DEFAULT_TEMPERATURE
+    annotator_temperature: Positive = DEFAULT_TEMPERATURE
     """Noise of the simulated annotator."""
     judge_model: ModelSource | None = None
     """rm_judge only: local path or ``models:/`` URI of the judging reward model. None = the held-out RM, which
@@ -172,44 +162,30 @@ class RefreshSection:
     iteration number. None = export the unlabelled pairs and stop with instructions (see tasks/labelling.py)."""
     export_format: Literal["csv", "parquet"] = "csv"
     """file only: format of the exported unlabelled pairs (CSV opens in any spreadsheet)."""
-    n_pairs: int = 512
+    n_pairs: Annotated[int, Range(ge=2, note='a train and an eval prompt')] = 512
     """Prompts sampled per refresh; the policy writes two replies to each, and each pair is labelled once."""
-    on_policy_eval_fraction: float = 0.25
+    on_policy_eval_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.25
     """Share of the fresh pairs' prompts held out to measure the RM on on-policy replies (never trained on)."""
-    validation_fraction: float = 0.0
+    validation_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Share of the remaining fresh prompts held back to choose how long to train: the RM is scored on their
     pairs before the continued training and after every epoch, and the epoch with the lowest loss is kept
     (0 = the RM before the refresh, so over-fitting epochs are undone). 0 = train every epoch, keep the last.
     The validation pairs are saved with the refresh-train pairs, so later refreshes train on them."""
     keep_old_pairs: bool = True
     """Replay original training pairs next to the fresh ones (False = fresh ones only)."""
-    old_pairs_ratio: float = 1.0
+    old_pairs_ratio: NonNegative = 1.0
     """With keep_old_pairs: old pairs replayed per fresh training pair (a seeded sample, at most all of them)."""
-    epochs: int = 2
+    epochs: PositiveInt = 2
     """Passes over the refresh training pairs; training continues from the current proxy's weights."""
-    learning_rate: float | None = None
+    learning_rate: Positive | None = None
     """AdamW learning rate of the continued training; None = reward_model.training.learning_rate. The other
     hyperparameters (batch size, max_length, margin, centring) are reward_model.training's."""
-    promotion_tolerance: float = 0.0
+    promotion_tolerance: NonNegative = 0.0
     """Move the 'champion' alias to the refreshed RM only when its held-out accuracy is at least the old
     RM's minus this (0 = must not drop at all)."""
 
     def __post_init__(self) -> None:
-        if self.every_k < 0 or self.n_pairs < 2:
-            raise ValueError(f"refresh.every_k must be >= 0 and refresh.n_pairs >= 2 (a train and an eval prompt), "
-                             f"got {self.every_k}, {self.n_pairs}")
-        if self.annotator_temperature <= 0:
-            raise ValueError(f"refresh.annotator_temperature must be > 0, got {self.annotator_temperature}")
-        if not 0.0 < self.on_policy_eval_fraction < 1.0:
-            raise ValueError(f"refresh.on_policy_eval_fraction must be in (0, 1), got {self.on_policy_eval_fraction}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(f"refresh.validation_fraction must be in [0, 1), got {self.validation_fraction}")
-        if self.old_pairs_ratio < 0 or self.epochs < 1 or self.promotion_tolerance < 0:
-            raise ValueError(f"refresh.old_pairs_ratio and refresh.promotion_tolerance must be >= 0 and "
-                             f"refresh.epochs >= 1, got {self.old_pairs_ratio}, {self.promotion_tolerance}, "
-                             f"{self.epochs}")
-        if self.learning_rate is not None and self.learning_rate <= 0:
-            raise ValueError(f"refresh.learning_rate must be > 0 or null, got {self.learning_rate}")
+        check_ranges(self, "refresh")
         if self.judge_model is not None and self.annotator != "rm_judge":
             raise ValueError("refresh.judge_model is read only with refresh.annotator='rm_judge'; "
                              "set the annotator or drop judge_model")
@@ -246,14 +222,13 @@ class TrackingSection:
 class OrchestrationSection:
     """How Prefect runs the stages (none of it enters an artifact key)."""
 
-    stage_timeout_minutes: float | None = None
+    stage_timeout_minutes: Positive | None = None
     """A stage (one task run) still running after this many minutes fails with a timeout and the run can be
     resumed (``rlhf resume``); None = no limit. Set it on scheduled runs so a hung stage does not hold the
     deployment's single slot forever."""
 
     def __post_init__(self) -> None:
-        if self.stage_timeout_minutes is not None and not self.stage_timeout_minutes > 0:
-            raise ValueError("orchestration.stage_timeout_minutes must be > 0 (or null for no limit)")
+        check_ranges(self, "orchestration")
 
 
 @dataclass(frozen=True)
@@ -268,9 +243,9 @@ class DistributedSection:
 
     deepspeed_config: LocalPath | None = None
     """DeepSpeed JSON (e.g. infra/deepspeed/zero2.json, zero3_offload.json); None = train in the stage's process."""
-    num_processes: int = 1
+    num_processes: PositiveInt = 1
     """Worker processes per node: one per GPU."""
-    num_nodes: int = 1
+    num_nodes: PositiveInt = 1
     """Nodes. 'deepspeed' starts every node listed in ``hostfile`` from here (ssh/pdsh); with 'torchrun' this
     node is node 0 and each other node runs the command the stage logs (same job file on shared storage)."""
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
@@ -279,15 +254,13 @@ class DistributedSection:
     """'deepspeed' launcher only: one 'hostname slots=N' line per node; None = this machine."""
     master_addr: str = "127.0.0.1"
     """Address of node 0, where rank 0 listens (another node's workers must reach it)."""
-    master_port: int = 29500
+    master_port: Annotated[int, Range(ge=1, le=65535)] = 29500
     """Port of rank 0's rendezvous."""
     stages: tuple[Literal["reward-model", "ppo-iteration"], ...] = ("reward-model", "ppo-iteration")
     """Stages whose training runs this way (the others always run in their own process)."""
 
     def __post_init__(self) -> None:
-        if self.num_processes < 1 or self.num_nodes < 1:
-            raise ValueError(f"distributed.num_processes and distributed.num_nodes must be >= 1, "
-                             f"got {self.num_processes}, {self.num_nodes}")
+        check_ranges(self, "distributed")
         if self.deepspeed_config is None and self.num_processes * self.num_nodes > 1:
             raise ValueError("distributed.num_processes / num_nodes > 1 need distributed.deepspeed_config "
                              "(e.g. infra/deepspeed/zero2.json)")
@@ -305,7 +278,7 @@ class PipelineConfig:
 
     name: str = "rlhf"
     """Run name (MLflow run name and the label in ``rlhf runs``)."""
-    seed: int = 0
+    seed: Count = 0
     """Seed of the generated data and the model initialisation."""
     state_dir: str = ".rlhf_state"
     """Folder for runs, caches, the MLflow store and Prefect's home (relative = to the working directory)."""
@@ -363,6 +336,23 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
 
     Without a preset the dataclass defaults are the base. Raises ConfigError naming the bad key and its source.
     """
+    return build(PipelineConfig, *_layers(path, preset, overrides))
+
+
+def resolve_config(path: str | Path | None = None, preset: str | None = None,
+                   overrides: Sequence[str] = ()) -> PipelineConfig:
+    """:func:`load_config`, then the checks that need this machine (``tasks.preflight``: files, device,
+    precision, lengths): what every command that starts or continues a run uses, before any stage runs."""
+    from tasks.preflight import check_environment
+
+    merged, key, origins = _layers(path, preset, overrides)
+    config = build(PipelineConfig, merged, key, origins)
+    check_environment(config, origins)
+    return config
+
+
+def _layers(path: str | Path | None, preset: str | None,
+            overrides: Sequence[str]) -> tuple[dict[str, Any], str, dict[str, str]]:
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
     if preset is not None:
@@ -374,7 +364,7 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
         merge_layer(merged, read_yaml(Path(path)), str(path), origins)
     for item in overrides:
         merge_layer(merged, parse_override(item), f"override '{item}'", origins)
-    return build(PipelineConfig, merged, "", origins)
+    return merged, "", origins
 
 
 #: Settings that say where a run lives, not what it does (and may hold credentials): never shown as changes.

@@ -1,10 +1,11 @@
 """The data-prep stage: preference files (or the generated demo task) -> validated, deduped, split Parquet tables.
 
-User files (Parquet / JSONL / CSV; TRL, HH or chat format) are read by ``tasks.io`` and prepared by
+User files (Parquet / JSONL / CSV; TRL, HH or chat format) are read by ``tasks.sources`` and prepared by
 ``rlhf_core.data``: every rejected row goes to ``quarantine.parquet`` with its file, row, column and reason, and
-``rows_in == accepted + quarantined``. The demo task's pairs are written as a raw input file and go through the same
-path; beside them the stage writes SFT demonstrations and an evaluation prompt set with hidden metadata
-(``rlhf_core.demo.tables``). ``rlhf prep`` runs :func:`prepare` alone.
+``rows_in == accepted + quarantined``; a file that cannot be used at all is one DataError naming it. The demo
+task's pairs are written as a raw input file and go through the same path; beside them the stage writes SFT
+demonstrations and an evaluation prompt set with hidden metadata (``rlhf_core.demo.tables``). ``rlhf prep`` runs
+:func:`prepare` alone.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""File I/O for the stages: read preference/prompt files (Parquet, JSONL, CSV; local paths or URIs) into
-rlhf_core records, and write canonical tables as Parquet atomically (temp file in the same dir + os.replace).
+"""File I/O for the stages: write canonical tables as Parquet atomically (temp file in the same dir + os.replace)
+and read them back.
 
-Reading is tolerant per record (a bad JSON line or a ragged CSV row becomes a SourceRow with a parse
-error, later quarantined) and strict per file (unreadable file -> DataError naming it).
+Reading user preference/prompt files (Parquet, JSONL, CSV; local paths or URIs) lives in ``tasks.sources``;
+``read_source`` and the suffix tuples are re-exported here for the stages that import them from this module.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
@@ -20,150 +18,16 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rlhf_core.data import PREFERENCE_PAIRS, DataError, DType, SourceFile, SourceRow, TableSchema
+from rlhf_core.data import PREFERENCE_PAIRS, DataError, DType, TableSchema
+from tasks.sources import (COMPRESSION_SUFFIXES, CSV_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES,  # noqa: F401
+                           read_source)
 
 if TYPE_CHECKING:
     from rlhf_core.training.reward_training import PreferencePair
 
-PARQUET_SUFFIXES = (".parquet", ".pq")
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-CSV_SUFFIXES = (".csv",)
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
-"""Stripped before the format suffix is read; pyarrow decompresses JSONL/CSV streams by extension."""
-
 _ARROW_TYPES = {DType.STRING: pa.string(), DType.FLOAT64: pa.float64(), DType.INT64: pa.int64()}
-_ESCAPED_BYTE = range(0xDC80, 0xDD00)  # what errors="surrogateescape" turns undecodable bytes into
-
-
-def read_source(uri: str) -> SourceFile:
-    """All records of one Parquet / JSONL / CSV file (local path or any pyarrow/fsspec URI).
-
-    Raises DataError when the file is missing, has an unknown suffix, or cannot be parsed at all.
-    Other OSErrors (network, permissions) propagate so a caller may retry them.
-    """
-    suffix = _format_suffix(uri)
-    fs, path = _filesystem(uri)
-    try:
-        if suffix in PARQUET_SUFFIXES:
-            return _read_parquet(uri, fs, path)
-        with fs.open_input_stream(path) as stream:  # compression is detected from the extension
-            data = stream.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
-        raise DataError(f"{uri}: no such file ({type(err).__name__}: {err})") from err
-    except pa.ArrowInvalid as err:
-        raise DataError(f"{uri}: cannot be read ({err})") from err
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    return _parse_csv(uri, data) if suffix in CSV_SUFFIXES else _parse_json(uri, data)
-
-
-def _format_suffix(uri: str) -> str:
-    name = uri.rstrip("/").rsplit("/", 1)[-1].lower()
-    for compression in COMPRESSION_SUFFIXES:
-        name = name.removesuffix(compression)
-    suffix = os.path.splitext(name)[1]
-    if suffix not in (*PARQUET_SUFFIXES, *JSONL_SUFFIXES, *CSV_SUFFIXES):
-        raise DataError(
-            f"{uri}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
-            f"{', '.join((*PARQUET_SUFFIXES, *JSONL_SUFFIXES, *CSV_SUFFIXES))} (optionally compressed)"
-        )
-    return suffix
-
-
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """pyarrow filesystem + path: local paths directly, URIs via pyarrow, else via fsspec if installed."""
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as arrow_err:
-        try:
-            import fsspec  # optional: only for schemes pyarrow does not know (memory://, http://, ...)
-        except ImportError:
-            raise DataError(f"{uri}: pyarrow cannot open this URI ({arrow_err}) and fsspec is not installed") from None
-        try:
-            fs, path = fsspec.core.url_to_fs(uri)
-        except (ValueError, ImportError) as err:
-            raise DataError(f"{uri}: no filesystem for this URI (pyarrow: {arrow_err}; fsspec: {err})") from err
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
-def _read_parquet(uri: str, fs: pafs.FileSystem, path: str) -> SourceFile:
-    table = pq.read_table(path, filesystem=fs)
-    rows = [SourceRow(uri, i, values) for i, values in enumerate(table.to_pylist())]
-    return SourceFile(uri, tuple(table.column_names), rows)
-
-
-def _parse_json(uri: str, data: bytes) -> SourceFile:
-    """JSON Lines (one object per line; blank lines skipped), or one JSON array of objects."""
-    if data.lstrip()[:1] == b"[":
-        try:
-            items = json.loads(data.decode("utf-8"))
-        except ValueError as err:
-            raise DataError(f"{uri}: not valid JSON ({err}); expected JSON Lines or an array of objects") from err
-        rows = [_json_row(uri, i, item) for i, item in enumerate(items)]
-    else:
-        rows = [_json_line(uri, i, line) for i, line in enumerate(data.split(b"\n")) if line.strip()]
-    return SourceFile(uri, _columns(r.values for r in rows), rows)
-
-
-def _json_line(uri: str, line_number: int, line: bytes) -> SourceRow:
-    try:
-        text, valid_utf8 = line.decode("utf-8"), True
-    except UnicodeDecodeError:
-        text, valid_utf8 = line.decode("utf-8", errors="surrogateescape"), False
-    try:
-        item = json.loads(text)
-    except ValueError as err:
-        return SourceRow(uri, line_number, None, f"invalid JSON: {err}", text)
-    if not valid_utf8 and isinstance(item, dict):
-        item = {key: _restore_bytes(value) for key, value in item.items()}
-    return _json_row(uri, line_number, item, text)
-
-
-def _json_row(uri: str, index: int, item: object, raw: str | None = None) -> SourceRow:
-    if not isinstance(item, dict):
-        raw = json.dumps(item)[:200] if raw is None else raw
-        return SourceRow(uri, index, None, f"expected a JSON object, got {type(item).__name__}", raw)
-    return SourceRow(uri, index, item)
-
-
-def _parse_csv(uri: str, data: bytes) -> SourceFile:
-    """CSV with a header row; every cell is a string; a row with the wrong field count is malformed."""
-    reader = csv.reader(io.StringIO(data.decode("utf-8", errors="surrogateescape"), newline=""))
-    try:
-        header = next(reader, None)
-        if not header:
-            raise DataError(f"{uri}: empty CSV; expected a header row such as prompt,chosen,rejected")
-        rows = [_csv_row(uri, i, header, fields) for i, fields in enumerate(reader) if fields]
-    except csv.Error as err:
-        raise DataError(f"{uri}: cannot be parsed as CSV near line {reader.line_num} ({err})") from err
-    return SourceFile(uri, tuple(header), rows)
-
-
-def _csv_row(uri: str, index: int, header: list[str], fields: list[str]) -> SourceRow:
-    if len(fields) != len(header):
-        reason = f"row has {len(fields)} fields, the header has {len(header)}"
-        return SourceRow(uri, index, None, reason, ",".join(fields))
-    return SourceRow(uri, index, {name: _restore_bytes(value) for name, value in zip(header, fields)})
-
-
-def _restore_bytes(value: object) -> object:
-    """A string that carries undecodable bytes (as escape surrogates) back to bytes, so validation can
-    quarantine it as undecodable_bytes; anything else unchanged."""
-    if isinstance(value, str) and any(ord(ch) in _ESCAPED_BYTE for ch in value):
-        return value.encode("utf-8", errors="surrogateescape")
-    return value
-
-
-def _columns(records: Iterable[Mapping[str, object] | None]) -> tuple[str, ...]:
-    seen: dict[str, None] = {}
-    for record in records:
-        seen.update(dict.fromkeys(record or ()))
-    return tuple(seen)
 
 
 def arrow_schema(table: TableSchema) -> pa.Schema:

@@ -8,15 +8,17 @@ sections and loads them through this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
@@ -50,11 +52,36 @@ def settable_fields(cls_or_instance: Any) -> list[dataclasses.Field]:
 # --------------------------------------------------------------------------------------------- loading
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice (plain YAML would keep the last one without a word)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<: *anchor': keys given next to it override the merged ones, as YAML means
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                                        "keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from err
     if data is None:
@@ -95,7 +122,7 @@ def merge_layer(base: dict[str, Any], layer: Mapping[Any, Any], source: str, ori
             base[key] = value
 
 
-def _source(key: str, origins: Mapping[str, str]) -> str:
+def source_of(key: str, origins: Mapping[str, str]) -> str:
     while key:
         if key in origins:
             return origins[key]
@@ -103,8 +130,8 @@ def _source(key: str, origins: Mapping[str, str]) -> str:
     return DEFAULT_SOURCE
 
 
-def _bad(key: str, value: Any, origins: Mapping[str, str], why: str) -> ConfigError:
-    return ConfigError(f"bad value {value!r} for '{key}' (from {_source(key, origins)}): {why}", why)
+def bad_value(key: str, value: Any, origins: Mapping[str, str], why: str) -> ConfigError:
+    return ConfigError(f"bad value {value!r} for '{key}' (from {source_of(key, origins)}): {why}", why)
 
 
 def section_from_dict(cls: type, data: Mapping[str, Any], name: str = "") -> Any:
@@ -117,15 +144,25 @@ def build(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, {} if value is None else value, key, origins)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:  # a type with marks: a Range to hold (rlhf_core.ranges), a path mark (run_store.keys)
+        if args[0] is float and any(getattr(mark, "allow_inf", False) for mark in args[1:]):
+            result = _build_float(value, key, origins, allow_inf=True)
+        else:
+            result = build(args[0], value, key, origins)
+        for mark in args[1:]:
+            why = mark.problem(result) if hasattr(mark, "problem") else None
+            if why is not None:
+                raise bad_value(key, value, origins, why)
+        return result
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):
             return value
-        raise _bad(key, value, origins, f"choose one of {', '.join(map(repr, args))}")
+        raise bad_value(key, value, origins, f"choose one of {', '.join(map(repr, args))}")
     if origin in (Union, types.UnionType):
         return _build_union(args, value, key, origins)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise _bad(key, value, origins, "expected a list")
+            raise bad_value(key, value, origins, "expected a list")
         item_type = args[0] if args else Any
         items = [build(item_type, v, f"{key}[{i}]", origins) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -133,7 +170,7 @@ def build(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
         choices = [m.value for m in tp]
         if isinstance(value, tp) or value in choices:
             return tp(value)
-        raise _bad(key, value, origins, f"choose one of {', '.join(map(repr, choices))}")
+        raise bad_value(key, value, origins, f"choose one of {', '.join(map(repr, choices))}")
     return _build_scalar(tp, value, key, origins)
 
 
@@ -141,14 +178,14 @@ def _build_union(args: tuple[Any, ...], value: Any, key: str, origins: Mapping[s
     if value is None:
         if type(None) in args:
             return None
-        raise _bad(key, value, origins, "a value is required here (None is not allowed)")
+        raise bad_value(key, value, origins, "a value is required here (None is not allowed)")
     errors = []
     for arm in (a for a in args if a is not type(None)):
         try:
             return build(arm, value, key, origins)
         except ConfigError as err:
             errors.append(err.reason)
-    raise _bad(key, value, origins, " / ".join(errors) + (" (or null)" if type(None) in args else ""))
+    raise bad_value(key, value, origins, " / ".join(errors) + (" (or null)" if type(None) in args else ""))
 
 
 def _build_scalar(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
@@ -157,45 +194,52 @@ def _build_scalar(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> 
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _bad(key, value, origins, "expected true or false")
+        raise bad_value(key, value, origins, "expected true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _bad(key, value, origins, "expected an integer")
+        raise bad_value(key, value, origins, "expected an integer")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        # PyYAML reads '1e-6' (no dot) as a string; accept it here rather than surprise the user.
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _bad(key, value, origins, "expected a number")
+        return _build_float(value, key, origins)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise _bad(key, value, origins, "expected a string (quote it in YAML)")
+        raise bad_value(key, value, origins, "expected a string (quote it in YAML)")
     raise TypeError(f"tasks.typed_yaml cannot convert settings of type {tp!r} (at '{key}')")
+
+
+def _build_float(value: Any, key: str, origins: Mapping[str, str], allow_inf: bool = False) -> float:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):  # PyYAML reads '1e-6' (no dot) as a string; accept it rather than surprise
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    if number is None:
+        raise bad_value(key, value, origins, "expected a number")
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise bad_value(key, value, origins, "expected a finite number (NaN is never valid; infinity only where a "
+                                             "setting says what it means)")
+    return number
 
 
 def _build_dataclass(cls: type, value: Any, key: str, origins: Mapping[str, str]) -> Any:
     where = key or "<top level>"
     if not isinstance(value, Mapping):
-        raise _bad(key, value, origins, f"expected a mapping of {cls.__name__} settings")
-    hints = typing.get_type_hints(cls)
+        raise bad_value(key, value, origins, f"expected a mapping of {cls.__name__} settings")
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in settable_fields(cls)]
     computed = {f.name: f.metadata.get(DERIVED, "computed from other settings") for f in dataclasses.fields(cls)
                 if not f.init}
     prefix = f"{key}." if key else ""
     for name in value:
         if name in computed:
-            raise ConfigError(f"'{prefix}{name}' (from {_source(prefix + str(name), origins)}) is derived, not a "
+            raise ConfigError(f"'{prefix}{name}' (from {source_of(prefix + str(name), origins)}) is derived, not a "
                               f"setting: it is {computed[name]}; set those instead and drop '{prefix}{name}'")
         if name not in names:
             close = _did_you_mean(str(name), value[name], names, key)
             hint = f"did you mean '{prefix}{close}'? " if close else ""
-            raise ConfigError(f"unknown setting '{prefix}{name}' (from {_source(prefix + str(name), origins)}); "
+            raise ConfigError(f"unknown setting '{prefix}{name}' (from {source_of(prefix + str(name), origins)}); "
                               f"{hint}valid keys under '{where}': {', '.join(names)}")
     kwargs = {name: build(hints[name], value[name], prefix + name, origins) for name in names if name in value}
     try:
@@ -232,7 +276,7 @@ def _given(kwargs: Mapping[str, Any], prefix: str, origins: Mapping[str, str]) -
     by_source: dict[str, list[str]] = {}
     for name, value in kwargs.items():
         if prefix and not dataclasses.is_dataclass(value):
-            by_source.setdefault(_source(prefix + name, origins), []).append(f"{prefix}{name}={_plain(value)!r}")
+            by_source.setdefault(source_of(prefix + name, origins), []).append(f"{prefix}{name}={_plain(value)!r}")
     parts = [f"{', '.join(items)} from {source}" for source, items in by_source.items()]
     return f"; values: {'; '.join(parts)}" if parts else ""
 

@@ -1,13 +1,14 @@
 """Preference data: canonical schemas, validation with reasoned quarantine, dedupe and a stable split.
 
-Pure: works on lists of dict records (no pandas, pyarrow or prefect). Reading and writing files is
-`tasks/io.py`'s job; the entry point here is `prepare_data`.
+Pure: works on lists of dict records (no pandas, pyarrow or prefect). Reading files is `tasks/sources.py`'s
+job and writing tables `tasks/io.py`'s; the entry point here is `prepare_data`.
 """
 
 from rlhf_core.data.chat import ChatRenderer, render_plain_prompt, render_plain_response
 from rlhf_core.data.config import DataPrepConfig
 from rlhf_core.data.errors import DataError
-from rlhf_core.data.formats import InputFormat, PairText, detect_format, split_dialogues
+from rlhf_core.data.detect import Detection, detect, detect_format
+from rlhf_core.data.formats import InputFormat, PairText, split_dialogues
 from rlhf_core.data.prep import PrepTables, check_outcome, prepare_data
 from rlhf_core.data.reasons import QuarantineReason
 from rlhf_core.data.records import Rejection, SourceFile, SourceRow
@@ -25,6 +26,7 @@ __all__ = [
     "DataError",
     "DataPrepConfig",
     "DataPrepCounts",
+    "Detection",
     "InputFormat",
     "PairText",
     "PrepTables",
@@ -36,6 +38,7 @@ __all__ = [
     "TableSchema",
     "assign_split",
     "check_outcome",
+    "detect",
     "detect_format",
     "format_counts",
     "pair_id",

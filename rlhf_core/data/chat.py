@@ -86,6 +86,8 @@ def check_messages(value: object, column: str) -> list[Message] | Rejection:
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
             value = json.loads(value)
+        except RecursionError:
+            return Rejection(R.CHAT_NOT_A_LIST, column, value, "JSON nested too deeply to parse")
         except ValueError as err:
             return Rejection(R.CHAT_NOT_A_LIST, column, value, f"JSON error: {err}")
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):

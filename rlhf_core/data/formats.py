@@ -1,4 +1,7 @@
-"""The three input formats (TRL, HH, chat): detection, and turning one raw record into prompt/chosen/rejected."""
+"""The three input formats (TRL, HH, chat), and turning one raw record into prompt/chosen/rejected text.
+
+Which format a file is in is decided in `rlhf_core.data.detect`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,14 @@ from enum import Enum
 from typing import NamedTuple
 
 from rlhf_core.data.chat import ASSISTANT_TURN_MARKER, ChatRenderer, Message, check_messages
-from rlhf_core.data.errors import DataError
 from rlhf_core.data.reasons import QuarantineReason as R
-from rlhf_core.data.records import Rejection, SourceFile
+from rlhf_core.data.records import Rejection
 from rlhf_core.data.schema import CHOSEN, PROMPT, REJECTED
 from rlhf_core.data.text import check_text
 
 
 class InputFormat(str, Enum):
-    """Layout of a preference file; AUTO detects it per file."""
+    """Layout of a preference file; AUTO detects it per file from its rows' majority (see rlhf_core.data.detect)."""
 
     AUTO = "auto"
     TRL = "trl"
@@ -27,37 +29,12 @@ class InputFormat(str, Enum):
     """`chosen`, `rejected` (optional `prompt`) as lists of {role, content} messages."""
 
 
-_SNIFF_ROWS = 100
-"""Rows looked at to tell chat (lists) from text; a few nulls or NaNs at the top do not mislead it."""
-
-EXPECTED_COLUMNS = (
-    "TRL (prompt, chosen, rejected text [, margin]), HH (chosen, rejected dialogues) "
-    "or chat (chosen, rejected [, prompt] as lists of {role, content})"
-)
-
-
 class PairText(NamedTuple):
     """Canonical text of one pair: the prompt and the two responses that continue it."""
 
     prompt: str
     chosen: str
     rejected: str
-
-
-def detect_format(source: SourceFile, forced: InputFormat = InputFormat.AUTO) -> InputFormat:
-    """The file's format: `forced` unless AUTO, else chat if `chosen` holds lists (in the first rows),
-    else TRL when a `prompt` column exists, else HH. Raises DataError when the needed columns are absent."""
-    found = list(source.columns)
-    missing = [c for c in (CHOSEN, REJECTED) if c not in found]
-    if missing:
-        raise DataError(f"{source.path}: found columns {found}, missing {missing}; expected {EXPECTED_COLUMNS}")
-    if forced is InputFormat.TRL and PROMPT not in found:
-        raise DataError(f"{source.path}: format 'trl' needs a 'prompt' column; found columns {found}")
-    if forced is not InputFormat.AUTO:
-        return forced
-    if any(isinstance(r.values.get(CHOSEN), (list, tuple)) for r in source.rows[:_SNIFF_ROWS] if r.values):
-        return InputFormat.CHAT
-    return InputFormat.TRL if PROMPT in found else InputFormat.HH
 
 
 def record_to_text(values: Mapping[str, object], fmt: InputFormat, renderer: ChatRenderer) -> PairText | Rejection:

@@ -7,26 +7,31 @@ quarantine table. Checks run in a fixed order and the first failure is the row's
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlhf_core.data.chat import ChatRenderer, check_messages
 from rlhf_core.data.config import DataPrepConfig
 from rlhf_core.data.errors import DataError
-from rlhf_core.data.formats import InputFormat, detect_format, record_to_text
+from rlhf_core.data.detect import Detection, detect
+from rlhf_core.data.formats import InputFormat, record_to_text
 from rlhf_core.data.reasons import QuarantineReason as R
 from rlhf_core.data.records import Rejection, SourceFile, SourceRow
 from rlhf_core.data.report import DataPrepCounts
 from rlhf_core.data.schema import (CHOSEN, MARGIN, PAIR_ID, PROMPT, PROMPT_ID, REASON, REJECTED, ROW_LEVEL,
                                    SOURCE_FILE, SOURCE_ROW)
 from rlhf_core.data.split import Split, assign_split, pair_id, prompt_id
-from rlhf_core.data.text import Measure, check_length, check_margin, check_string, check_text, make_measure
+from rlhf_core.data.text import (Measure, check_chars, check_length, check_margin, check_string, check_text,
+                                 make_measure)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Record = dict[str, object]
+
+MAX_QUARANTINE_FRACTION_KEY = "data.prep.max_quarantine_fraction"
+"""Config key of DataPrepConfig.max_quarantine_fraction (`rlhf prep --max-quarantine-fraction` sets it)."""
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,17 @@ def prepare_data(
     prompt_files: Sequence[SourceFile] = (),
 ) -> PrepTables:
     """Validate, dedupe and split preference records; PPO prompts come from `prompt_files` if any given,
-    else from the PPO split. Raises DataError for files without the needed columns or with no rows."""
+    else from the PPO split. Raises DataError for files without the needed columns or with no rows.
+
+    With input_format AUTO each file's format is its rows' majority, and a row laid out as another format is
+    quarantined as format_mismatch (see rlhf_core.data.detect)."""
     ctx = PrepContext(config, ChatRenderer(tokenizer), make_measure(tokenizer))
-    formats = {f.path: detect_format(f, config.input_format) for f in files}
+    detections = {f.path: detect(f, config.input_format) for f in files}
+    formats = {path: d.format for path, d in detections.items()}
     rows_in = sum(len(f.rows) for f in files)
     if rows_in == 0:
         raise DataError(f"no rows in {[f.path for f in files]}: expected at least one preference pair")
-    pairs, quarantine = collect_pairs(files, formats, ctx)
+    pairs, quarantine = collect_pairs(files, formats, ctx, detections)
     splits = split_pairs(pairs, config, ppo_from_pairs=not prompt_files)
     if prompt_files:
         prompts, prompt_quarantine = collect_prompts(prompt_files, ctx)
@@ -80,20 +89,25 @@ def prepare_data(
         quarantined_by_reason=dict(Counter(str(q[REASON]) for q in (*quarantine, *prompt_quarantine))),
         prompt_rows_in=sum(len(f.rows) for f in prompt_files), prompt_rows_accepted=len(prompts) if prompt_files else 0,
         prompt_rows_quarantined=len(prompt_quarantine), formats={p: f.value for p, f in formats.items()},
+        length_unit=ctx.measure.unit, max_length=config.max_length, max_chars=config.max_chars,
     )
     return PrepTables(splits[Split.TRAIN], splits[Split.HELDOUT], prompts, quarantine + prompt_quarantine, counts)
 
 
 def collect_pairs(
-    files: Sequence[SourceFile], formats: dict[str, InputFormat], ctx: PrepContext
+    files: Sequence[SourceFile], formats: Mapping[str, InputFormat], ctx: PrepContext,
+    detections: Mapping[str, Detection] | None = None,
 ) -> tuple[list[Record], list[Record]]:
-    """Canonical pairs and quarantine rows, in input order; later exact duplicates are quarantined."""
+    """Canonical pairs and quarantine rows, in input order; later exact duplicates are quarantined, and so are rows
+    laid out as another format than their file's detected one (`detections`; none given = no such check)."""
     pairs: list[Record] = []
     quarantine: list[Record] = []
     first_seen: dict[tuple[object, object, object], str] = {}
     for source in files:
+        detection = (detections or {}).get(source.path)
         for row in source.rows:
-            result = validate_row(row, formats[source.path], ctx)
+            odd = detection.odd_row(row.values) if detection is not None else None
+            result = odd or validate_row(row, formats[source.path], ctx)
             if isinstance(result, dict):
                 key = (result[PROMPT], result[CHOSEN], result[REJECTED])
                 if key in first_seen:
@@ -114,6 +128,9 @@ def validate_row(row: SourceRow, fmt: InputFormat, ctx: PrepContext) -> Record |
     text = record_to_text(row.values, fmt, ctx.renderer)
     if isinstance(text, Rejection):
         return text
+    too_many_chars = check_chars(*text, ctx.config.max_chars)
+    if too_many_chars is not None:
+        return too_many_chars
     for column, value in zip((PROMPT, CHOSEN, REJECTED), text):
         checked = check_string(value, column)
         if isinstance(checked, Rejection):
@@ -182,9 +199,12 @@ def _validate_prompt(row: SourceRow, ctx: PrepContext) -> str | Rejection:
     text = check_text(value, PROMPT)
     if isinstance(text, Rejection):
         return text
+    cap = ctx.config.max_chars
+    if cap is not None and len(text) > cap:
+        return Rejection(R.FIELD_TOO_LONG, PROMPT, text, f"prompt is {len(text)} characters > {cap}")
     limit = ctx.config.max_length
     if limit is not None and (length := ctx.measure(text)) > limit:
-        return Rejection(R.TOO_LONG, PROMPT, text, f"prompt is {length} > {limit}")
+        return Rejection(R.TOO_LONG, PROMPT, text, f"prompt is {length} {ctx.measure.unit} > max_length {limit}")
     return text
 
 
@@ -195,7 +215,8 @@ def check_outcome(counts: DataPrepCounts, max_quarantine_fraction: float, quaran
         raise DataError(
             f"quarantined fraction {fraction:.3f} exceeds max_quarantine_fraction {max_quarantine_fraction:.3f} "
             f"({counts.rows_quarantined + counts.prompt_rows_quarantined} of "
-            f"{counts.rows_in + counts.prompt_rows_in} rows); see reasons in {quarantine_path}"
+            f"{counts.rows_in + counts.prompt_rows_in} rows); see reasons in {quarantine_path}; fix those rows, "
+            f"or allow more with `rlhf prep --max-quarantine-fraction F` (config key {MAX_QUARANTINE_FRACTION_KEY})"
         )
     if counts.train_pairs == 0:
         raise DataError(

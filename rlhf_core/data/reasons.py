@@ -19,6 +19,8 @@ class QuarantineReason(str, Enum):
     BAD_MARGIN = "bad_margin"
     IDENTICAL_PAIR = "identical_pair"
     TOO_LONG = "too_long"
+    FIELD_TOO_LONG = "field_too_long"
+    FORMAT_MISMATCH = "format_mismatch"
     DUPLICATE_PAIR = "duplicate_pair"
     DUPLICATE_PROMPT = "duplicate_prompt"
     HH_NO_SHARED_PREFIX = "hh_no_shared_prefix"
@@ -48,7 +50,12 @@ _MESSAGES: dict[QuarantineReason, str] = {
     QuarantineReason.CONTROL_CHARACTER: "the text holds NUL or other control characters (other than tab/newline)",
     QuarantineReason.BAD_MARGIN: "the margin is not a finite number (leave it empty for no margin)",
     QuarantineReason.IDENTICAL_PAIR: "chosen and rejected are identical, so the pair carries no preference",
-    QuarantineReason.TOO_LONG: "prompt + response is longer than the configured max_length",
+    QuarantineReason.TOO_LONG: "prompt + response is longer than the configured max_length (tokens with a "
+    "tokenizer, else characters)",
+    QuarantineReason.FIELD_TOO_LONG: "one text is longer than data.prep.max_chars characters (a guard against "
+    "runaway rows; raise it if such texts are expected)",
+    QuarantineReason.FORMAT_MISMATCH: "the row is laid out as another format than most rows of its file "
+    "(fix the row, split the file by format, or force one with --format)",
     QuarantineReason.DUPLICATE_PAIR: "the same prompt + chosen + rejected appeared earlier; the first is kept",
     QuarantineReason.DUPLICATE_PROMPT: "the same prompt appeared earlier in the prompts file; the first is kept",
     QuarantineReason.HH_NO_SHARED_PREFIX: "the chosen and rejected dialogues share no prompt prefix",

@@ -1,4 +1,4 @@
-"""Plain record types passed between the reader (tasks/io.py) and the pure data-prep logic."""
+"""Plain record types passed between the reader (tasks/sources.py) and the pure data-prep logic."""
 
 from __future__ import annotations
 
@@ -73,7 +73,10 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
     if isinstance(value, str):
         text = "".join(ch if ch.isprintable() or ch == " " else _escape_char(ch) for ch in value)
     else:
-        text = repr(value)  # repr escapes non-printable characters inside containers too
+        try:
+            text = repr(value)  # repr escapes non-printable characters inside containers too
+        except (RecursionError, ValueError):  # nested about as deep as JSON allows, or an int over 4300 digits
+            text = f"<{type(value).__name__} too deeply nested or too large to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -33,6 +33,12 @@ class DataPrepCounts:
     """Prompts-file rows quarantined."""
     formats: dict[str, str] = field(default_factory=dict)
     """Input file -> detected (or forced) format."""
+    length_unit: str = "characters"
+    """What max_length and too_long lengths count: 'characters', or 'tokens' when a tokenizer was given."""
+    max_length: int | None = None
+    """The max_length applied (prompt + response, in length_unit); None = no limit."""
+    max_chars: int | None = None
+    """The max_chars cap applied (each text, always in characters); None = no cap."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -78,6 +84,8 @@ def format_counts(counts: DataPrepCounts) -> str:
     rows += [(f"  {reason}", n) for reason, n in sorted(counts.quarantined_by_reason.items())]
     rows += [("quarantine fraction", f"{counts.quarantine_fraction:.3f}"), ("train pairs", counts.train_pairs),
              ("held-out pairs", counts.heldout_pairs), ("ppo-split pairs", counts.ppo_split_pairs),
-             ("ppo prompts", counts.ppo_prompts)]
+             ("ppo prompts", counts.ppo_prompts), ("lengths counted in", counts.length_unit),
+             ("max_length", "no limit" if counts.max_length is None else f"{counts.max_length} {counts.length_unit}"),
+             ("max_chars", "no cap" if counts.max_chars is None else f"{counts.max_chars} characters")]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from numbers import Real
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rlhf_core.data.reasons import QuarantineReason as R
 from rlhf_core.data.records import Rejection
-from rlhf_core.data.schema import CHOSEN, REJECTED
+from rlhf_core.data.schema import CHOSEN, PROMPT, REJECTED
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,8 +21,20 @@ if TYPE_CHECKING:
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
-Measure = Callable[[str], int]
-"""Length of a text in the unit max_length is given in (characters, or tokens)."""
+LengthUnit = Literal["characters", "tokens"]
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Length of a text in the unit max_length is given in: characters, or tokens with a tokenizer."""
+
+    unit: LengthUnit
+    """What `count` counts; printed in the prep summary and in too_long details."""
+    count: Callable[[str], int]
+    """Length of one text in `unit`."""
+
+    def __call__(self, text: str) -> int:
+        return self.count(text)
 
 
 def check_text(value: object, column: str) -> str | Rejection:
@@ -72,7 +85,10 @@ def check_margin(value: object, column: str) -> float | None | Rejection:
             return Rejection(R.BAD_MARGIN, column, value, "not a number")
     if isinstance(value, bool) or not isinstance(value, Real):
         return Rejection(R.BAD_MARGIN, column, value, f"got {type(value).__name__}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        return Rejection(R.BAD_MARGIN, column, value, "too large for a float")
     if math.isnan(number):
         return None
     if math.isinf(number):
@@ -83,8 +99,8 @@ def check_margin(value: object, column: str) -> float | None | Rejection:
 def make_measure(tokenizer: PreTrainedTokenizerBase | None) -> Measure:
     """Characters when no tokenizer is given, else tokens (no special tokens added)."""
     if tokenizer is None:
-        return len
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+        return Measure("characters", len)
+    return Measure("tokens", lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def check_length(
@@ -96,5 +112,16 @@ def check_length(
     for column, response in ((CHOSEN, chosen), (REJECTED, rejected)):
         length = measure(prompt + response)
         if length > max_length:
-            return Rejection(R.TOO_LONG, column, response, f"prompt + {column} is {length} > {max_length}")
+            detail = f"prompt + {column} is {length} {measure.unit} > max_length {max_length}"
+            return Rejection(R.TOO_LONG, column, response, detail)
+    return None
+
+
+def check_chars(prompt: str, chosen: str, rejected: str, max_chars: int | None) -> Rejection | None:
+    """FIELD_TOO_LONG for the first of prompt, chosen, rejected longer than max_chars characters (None = no cap)."""
+    if max_chars is None:
+        return None
+    for column, value in ((PROMPT, prompt), (CHOSEN, chosen), (REJECTED, rejected)):
+        if len(value) > max_chars:
+            return Rejection(R.FIELD_TOO_LONG, column, value, f"{column} is {len(value)} characters > {max_chars}")
     return None

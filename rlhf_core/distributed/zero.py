@@ -36,11 +36,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
-from safetensors.torch import load_model, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_config
+from rlhf_core.distributed.extension_locks import clear_stale_locks
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, publish, read_run_state, write_run_state
+from rlhf_core.training.checkpoint_integrity import TMP_PREFIX, load_module
 from rlhf_core.training.guards import NonFiniteError
 from rlhf_core.training.strategy import LRLambda, TrainableGroup
 
@@ -64,6 +66,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        clear_stale_locks()  # a lock a killed start left would make DeepSpeed's op loads below wait forever
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
                                    timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
@@ -126,7 +129,9 @@ def _count(module: nn.Module) -> int:
 
 def _adam(group: TrainableGroup, weight_decay: float, config: dict[str, Any]) -> torch.optim.Optimizer:
     if offloads_optimizer(config) and config.get("zero_force_ds_cpu_optimizer", True):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # compiles its C++ op on first use
+        from deepspeed.ops.adam import (
+            DeepSpeedCPUAdam,  # compiles its C++ op on first use
+        )
 
         return DeepSpeedCPUAdam(group.params, lr=group.learning_rate, weight_decay=weight_decay, adamw_mode=True)
     return torch.optim.AdamW(group.params, lr=group.learning_rate, weight_decay=weight_decay)
@@ -232,7 +237,7 @@ class DeepSpeedStrategy:
         """
         root = Path(root)
         final = root / f"step_{step:06d}"
-        tmp = root / f".tmp-{final.name}"
+        tmp = root / f"{TMP_PREFIX}{step:06d}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -267,7 +272,7 @@ class DeepSpeedStrategy:
         engines = {id(e) for e in self.engines}
         for stem, module in modules.items():
             if id(module) not in engines:
-                load_model(module, str(path / f"{stem}.safetensors"))
+                load_module(module, path / f"{stem}.safetensors")
         return read_run_state(path, generator)
 
     def save_weights(self, module: nn.Module, path: str | os.PathLike[str]) -> None:

@@ -6,6 +6,7 @@
 - ``ppo_loop``: ``train_ppo`` over a prompt table with checkpoints and exact resume.
 - ``sampler``: the deterministic, resumable prompt order.
 - ``checkpoint``: atomic, pickle-free checkpoints.
+- ``checkpoint_integrity``: the manifest that seals a checkpoint, verified before a resume trusts it.
 - ``reward_training``: Bradley-Terry reward-model training and evaluation.
 - ``sft``: supervised fine-tuning on demonstrations.
 - ``strategy``: how losses become weight updates (one process, or data-parallel).

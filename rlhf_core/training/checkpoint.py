@@ -1,9 +1,11 @@
 """Atomic, pickle-free PPO checkpoints: weights and optimizer tensors in safetensors, the rest in JSON.
 
 Layout of ``<root>/step_000010/``: ``policy.safetensors``, ``value.safetensors``, optional
-``reference.safetensors``, ``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors`` and
-``state.json``. ``<root>/latest`` names the newest complete checkpoint; a directory only gets its final
-name after every file in it is written, so a run killed mid-save leaves the previous checkpoint intact.
+``reference.safetensors``, ``optimizer.safetensors`` + ``optimizer.json``, ``rng.safetensors``,
+``state.json`` and ``manifest.json`` (sizes and sha256 of the others: ``checkpoint_integrity``). ``<root>/latest``
+names the newest complete checkpoint; a directory only gets its final name after every file in it is written,
+so a run killed mid-save leaves the previous checkpoint intact. A resume (:func:`resume_checkpoint`) verifies the
+checkpoint against its manifest and falls back to an earlier one when it is damaged.
 A DeepSpeed run (``rlhf_core.distributed.zero``) writes the same weights and JSON files but keeps its optimizer
 and schedule in ``deepspeed/`` (DeepSpeed's own per-process shards, pickled) instead of ``optimizer.*``.
 """
@@ -11,6 +13,7 @@ and schedule in ``deepspeed/`` (DeepSpeed's own per-process shards, pickled) ins
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -20,8 +23,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import save_file, save_model
 from torch import nn
+
+from rlhf_core.training.checkpoint_integrity import (
+    TMP_PREFIX,
+    CheckpointError,
+    folder_step,
+    load_module,
+    read_json,
+    read_tensors,
+    remove_orphans,
+    verify_checkpoint,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 DEEPSPEED_DIR = "deepspeed"
@@ -112,7 +129,7 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step:06d}-", dir=root))
     for stem, module in modules.items():
         save_model(module, str(tmp / f"{stem}.safetensors"))
     opt_tensors, opt_meta = flatten_optimizer(optimizer.state_dict())
@@ -129,13 +146,19 @@ def write_run_state(folder: Path, step: int, generator: torch.Generator, state: 
 
 
 def publish(root: Path, tmp: Path, name: str, keep: int) -> Path:
-    """Move the complete folder ``tmp`` to ``root/name``, point ``latest`` at it, keep the newest ``keep``."""
+    """Seal the complete folder ``tmp`` with its manifest, move it to ``root/name`` (``step_<N>``), point
+    ``latest`` at it, keep the newest ``keep`` and remove temporary folders that killed writes left behind."""
     final = root / name
+    step = folder_step(final)
+    if step is None:
+        raise ValueError(f"a checkpoint folder is named step_<N>, not {name!r}")
+    write_manifest(tmp, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _point_latest(root, final.name)
-    _prune(root, keep)
+    _prune(root, keep, step)
+    remove_orphans(root)
     return final
 
 
@@ -148,9 +171,18 @@ def _point_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[: max(0, len(steps) - keep)]:
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """``(N, root/step_N)`` for every checkpoint folder, oldest first."""
+    found = ((folder_step(p), p) for p in root.glob("step_*") if p.is_dir())
+    return sorted((step, p) for step, p in found if step is not None)
+
+
+def _prune(root: Path, keep: int, newest: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to step ``newest``. Later ones are from a run that went back past
+    them (a damaged checkpoint a resume skipped): the run writes those steps again, so they go too."""
+    steps = _step_folders(root)
+    older = [p for step, p in steps if step <= newest]
+    for old in older[: max(0, len(older) - keep)] + [p for step, p in steps if step > newest]:
         shutil.rmtree(old)
 
 
@@ -159,8 +191,34 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     pointer = Path(root) / LATEST
     if not pointer.exists():
         return None
-    path = Path(root) / pointer.read_text().strip()
+    path = Path(root) / pointer.read_text(errors="replace").strip()
     return path if path.is_dir() else None
+
+
+def resume_checkpoint(root: str | os.PathLike[str], clean: bool = True) -> Path | None:
+    """The checkpoint a run resumes from: the newest one under ``root`` that verifies against its manifest.
+
+    Starts at the one ``latest`` names (at the newest ``step_*`` folder when ``latest`` is missing) and goes back
+    through earlier ones; each one skipped costs a warning naming the file and the reason. None when there is
+    no usable checkpoint (also said in a warning when some were skipped). ``clean``: first remove temporary
+    folders of killed writes (only one process of a data-parallel run may).
+    """
+    root = Path(root)
+    if clean and root.is_dir():
+        remove_orphans(root)
+    latest = latest_checkpoint(root)
+    ceiling = folder_step(latest) if latest is not None else None
+    candidates = [p for step, p in reversed(_step_folders(root)) if ceiling is None or step <= ceiling]
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as error:
+            log.warning("skipping checkpoint %s: %s", candidate.name, error)
+            continue
+        return candidate
+    if candidates:
+        log.warning("no usable checkpoint in %s (%d skipped): the run starts as if it had none", root, len(candidates))
+    return None
 
 
 def load_checkpoint(
@@ -175,14 +233,14 @@ def load_checkpoint(
         file = path / f"{stem}.safetensors"
         if not file.exists():
             raise FileNotFoundError(f"checkpoint {path} has no {file.name}; it was saved with other model roles")
-        load_model(module, str(file))
+        load_module(module, file)
     if not (path / "optimizer.json").exists() and (path / DEEPSPEED_DIR).is_dir():
         raise FileNotFoundError(
             f"checkpoint {path} was written by a DeepSpeed run (its optimizer state is in {DEEPSPEED_DIR}/, sharded "
             "per process): resume it with the same distributed settings, or delete the checkpoints to start over"
         )
-    meta = json.loads((path / "optimizer.json").read_text())
-    optimizer.load_state_dict(unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta))
+    meta = read_json(path / "optimizer.json")
+    optimizer.load_state_dict(unflatten_optimizer(read_tensors(path / "optimizer.safetensors"), meta))
     return read_run_state(path, generator)
 
 
@@ -190,14 +248,14 @@ def load_weights(path: str | os.PathLike[str], modules: dict[str, nn.Module]) ->
     """Only the weights of a checkpoint (whichever strategy wrote it) into ``modules``; return its JSON state."""
     path = Path(path)
     for stem, module in modules.items():
-        load_model(module, str(path / f"{stem}.safetensors"))
-    return json.loads((path / "state.json").read_text())
+        load_module(module, path / f"{stem}.safetensors")
+    return read_json(path / "state.json")
 
 
 def read_run_state(path: Path, generator: torch.Generator) -> dict[str, Any]:
     """Restore the generator and the global RNGs written by :func:`write_run_state`; return the JSON state."""
-    rng = load_file(str(path / "rng.safetensors"))
+    rng = read_tensors(path / "rng.safetensors")
+    state = read_json(path / "state.json")
     generator.set_state(rng["generator"])
-    state = json.loads((path / "state.json").read_text())
     _restore_global_rng(state, rng)
     return state

@@ -14,7 +14,8 @@ import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.ppo.stats import PPOStats
-from rlhf_core.training.checkpoint import latest_checkpoint, load_weights, trainable_view
+from rlhf_core.training.checkpoint import load_weights, resume_checkpoint, trainable_view
+from rlhf_core.training.checkpoint_integrity import CheckpointError, verify_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.guards import NonFiniteError, require_finite_metrics, require_finite_weights
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
@@ -63,11 +64,13 @@ def train_ppo(
     init_from: str | os.PathLike[str] | None = None,
     make_strategy: StrategyFactory | None = None,
 ) -> PPORunResult:
-    """Run PPO until ``n_updates`` steps are done, resuming from ``checkpoint_dir/latest`` if present.
+    """Run PPO until ``n_updates`` steps are done, resuming from ``checkpoint_dir/latest`` if present (or from
+    the newest earlier checkpoint there that verifies, when that one is damaged: ``resume_checkpoint``).
 
     ``init_from`` is a checkpoint directory to start from when ``checkpoint_dir`` has none yet: how a
     pipeline iteration continues the previous iteration's run (weights, optimizer, KL controller, cursor)
-    while keeping its own checkpoints apart, so rerunning one iteration never sees a later one's state.
+    while keeping its own checkpoints apart, so rerunning one iteration never sees a later one's state. It has
+    no fallback: a damaged ``init_from`` is a :class:`CheckpointError` naming the file.
 
     A run killed at any point and started again with the same arguments ends with the same weights and
     metrics as an uninterrupted one (same seed, same device), because the optimizer, scheduler, KL
@@ -83,10 +86,11 @@ def train_ppo(
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
     sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
     result = PPORunResult()
-    found = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    found = resume_checkpoint(checkpoint_dir, clean=strategy.rank == 0) if checkpoint_dir is not None else None
     verb = "resumed"
     if found is None and init_from is not None:
         found, verb = Path(init_from), "continuing"
+        _verify_init_from(found)
     if found is not None:
         saved = strategy.load_checkpoint(found, _modules(models, config), state.generator)
         _restore(saved, state, sampler, result)
@@ -98,17 +102,18 @@ def train_ppo(
         number = state.step + 1
         try:
             stats = ppo_step(models, optimizer, None, state, batch, config, strategy)
-            require_finite_metrics(stats.to_metrics(), FINITE_METRICS)
+            metrics = stats.to_metrics()
+            require_finite_metrics(metrics, FINITE_METRICS)
             require_finite_weights(_modules(models, config))
         except NonFiniteError as error:
             kept = f"the last checkpoint ({last_saved}) stays" if last_saved is not None else "nothing was saved"
             raise NonFiniteError(f"PPO step {number}: {error}; training stopped and {kept}. Lower ppo.learning_rate "
                                  "(or check the reward model's scores)") from None
-        result.history.append(stats.to_metrics())
+        result.history.append(metrics)
         if on_step is not None:
             on_step(stats)
         if strategy.rank == 0:
-            _log_progress(state.step, n_updates, first_step, started, stats)
+            _log_progress(state.step, n_updates, first_step, started, metrics)
         periodic = checkpoint_every > 0 and state.step % checkpoint_every == 0
         if checkpoint_dir is not None and (periodic or state.step == n_updates):
             last_saved = strategy.save_checkpoint(
@@ -122,8 +127,18 @@ def load_checkpoint_weights(
     models: PPOModels, config: PPOConfig, path: str | os.PathLike[str]
 ) -> dict[str, Any]:
     """The trained weights of a :func:`train_ppo` checkpoint into ``models`` (no optimizer or RNGs: to use the
-    result elsewhere, e.g. after DeepSpeed workers trained it); returns its JSON state (``history`` ...)."""
+    result elsewhere, e.g. after DeepSpeed workers trained it); returns its JSON state (``history`` ...).
+    The checkpoint is verified against its manifest first (:class:`CheckpointError` when it does not match)."""
+    verify_checkpoint(Path(path))
     return load_weights(path, _modules(models, config))
+
+
+def _verify_init_from(path: Path) -> None:
+    """A damaged ``init_from`` stops the run: starting over would silently drop the previous iteration's training."""
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"cannot continue PPO from {path}: {error}; rerun the iteration that wrote it") from None
 
 
 def _snapshot(state: PPOState, sampler: PromptSampler, result: PPORunResult) -> dict[str, Any]:
@@ -145,11 +160,10 @@ def _restore(saved: dict[str, Any], state: PPOState, sampler: PromptSampler, res
     result.resumed_from_step = state.step
 
 
-def _log_progress(step: int, total: int, first_step: int, started: float, stats: PPOStats) -> None:
+def _log_progress(step: int, total: int, first_step: int, started: float, metrics: dict[str, float]) -> None:
     elapsed = time.monotonic() - started
     rate = (step - first_step) / elapsed if elapsed > 0 else 0.0
     eta = (total - step) / rate if rate > 0 else float("nan")
-    metrics = stats.to_metrics()
     log.info(
         "ppo step %d/%d  score %.3f  kl %.3f  kl_coef %.4f  %.2f steps/s  eta %.0fs",
         step, total, metrics["ppo/scores/mean"], metrics["ppo/kl/mean"], metrics["ppo/kl/coef"], rate, eta,

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_special_tokens
+from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 
 logger = logging.getLogger(__name__)
@@ -40,47 +41,39 @@ LogFn = Callable[[int, dict[str, float]], None]
 class SFTConfig:
     """Hyperparameters of supervised fine-tuning."""
 
-    epochs: int = 3
+    epochs: PositiveInt = 3
     """Passes over the training demonstrations."""
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """Demonstrations per optimizer step."""
-    micro_batch_size: int = 16
+    micro_batch_size: PositiveInt = 16
     """Demonstrations per forward/backward; gradients add up to ``batch_size`` (same step, less memory)."""
-    learning_rate: float = 5e-4
+    learning_rate: Positive = 5e-4
     """Peak AdamW learning rate (small models from scratch like 1e-3; pretrained ones 1e-5..5e-5)."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """AdamW decoupled weight decay, applied to every parameter."""
-    warmup_steps: int = 0
+    warmup_steps: Count = 0
     """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
     """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Positive | None = 1.0
     """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
-    max_length: int = 128
+    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
     """Longest prompt + reply + eos in tokens; longer rows keep the prompt's end and the reply's start."""
-    eval_every: int = 50
+    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 50
     """Evaluate the held-out loss every this many steps (0 = only before and after training)."""
-    eval_batch_size: int = 64
+    eval_batch_size: PositiveInt = 64
     """Demonstrations per forward pass during evaluation."""
-    log_every: int = 20
+    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
     """Write a progress line (loss, rate, ETA) to the module logger every this many steps (0 = never)."""
-    seed: int = 0
+    seed: Count = 0
     """Seeds the shuffling and the dropout masks."""
-    dropout: float | None = None
+    dropout: Annotated[float, Range(ge=0, lt=1)] | None = None
     """Dropout rate during SFT (None = keep the model's); the model's own rates are restored afterwards."""
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "micro_batch_size", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        check_ranges(self, "sft")
         if self.micro_batch_size > self.batch_size:
             raise ValueError(f"sft.micro_batch_size={self.micro_batch_size} must be <= sft.batch_size")
-        if self.learning_rate <= 0:
-            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
-        if self.max_length < 2:
-            raise ValueError(f"sft.max_length must be >= 2 (a prompt token and eos), got {self.max_length}")
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"sft.dropout must be in [0, 1) or None, got {self.dropout}")
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from tasks.run_store.runs import RunRecord, RunStatus, StageEntry, new_run_id
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+RESERVE_BYTES = 1 << 20
+"""Space the state folder holds back for run records on a full disk (they are a few KiB)."""
 
 __all__ = ["LATEST", "ActiveRun", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath", "ModelSource",
            "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError", "code_version", "new_run_id",
@@ -89,6 +92,7 @@ class RunStore:
         except ValueError:
             known = {}
         previous = known.get("root") if isinstance(known, dict) else None
+        self._hold_reserve()
         if previous is None:
             self.settle_move()
         elif previous != str(self.root):
@@ -236,7 +240,7 @@ class RunStore:
         """
         lock = FileLock(self.layout.run_file(run_id, RUN_LOCK), f"marking run {run_id} {status}")
         try:
-            lock.acquire()
+            self._with_room(lock.acquire)
         except LockBusy:
             return False
         try:
@@ -264,7 +268,37 @@ class RunStore:
         log.debug("run %s is %s", record.run_id, status)
 
     def _save(self, record: RunRecord) -> None:
-        _write_text(self.layout.run_file(record.run_id), record.to_json())
+        self._with_room(lambda: _write_text(self.layout.run_file(record.run_id), record.to_json()))
+
+    def _with_room(self, write: Callable[[], None]) -> None:
+        """``write()``; on a full disk once more after freeing the reserve (a record of how the run ended)."""
+        try:
+            write()
+        except OSError as err:
+            if err.errno != errno.ENOSPC or not self._release_reserve():
+                raise
+            write()
+
+    def _hold_reserve(self) -> None:
+        """Keep :data:`RESERVE_BYTES` allocated in the state folder (when the disk has them)."""
+        reserve = self.layout.reserve
+        if reserve.is_file() and reserve.stat().st_size >= RESERVE_BYTES:
+            return
+        try:
+            with open(reserve, "wb") as handle:
+                os.posix_fallocate(handle.fileno(), 0, RESERVE_BYTES)
+        except (OSError, AttributeError):  # a full disk, or no posix_fallocate (not Linux): go on without
+            reserve.unlink(missing_ok=True)
+
+    def _release_reserve(self) -> bool:
+        """Free the reserve on a full disk; True when there was one to free."""
+        try:
+            self.layout.reserve.unlink()
+        except FileNotFoundError:
+            return False
+        log.warning("the disk of %s is full: freed its %d KiB reserve to record the run's status; free space "
+                    "before `rlhf resume`", self.root, RESERVE_BYTES // 1024)
+        return True
 
     def _read(self, path: Path) -> RunRecord:
         try:

@@ -122,21 +122,38 @@ def _field_marks(cls: type) -> dict[str, _PathMark]:
     return {f.name: mark for f in dataclasses.fields(cls) if (mark := _marks(hints[f.name])) is not None}
 
 
-def relative_paths(config: Any, prefix: str = "") -> dict[str, str]:
+def path_settings(config: Any, prefix: str = "") -> list[tuple[str, Any, bool]]:
+    """(dotted key, value, names a model) of every ``LocalPath`` / ``ModelSource`` setting that is set."""
+    found: list[tuple[str, Any, bool]] = []
+    marks = _field_marks(type(config))
+    for f in dataclasses.fields(config):
+        value, key = getattr(config, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found.extend(path_settings(value, f"{key}."))
+        elif f.name in marks and value not in (None, (), []):
+            found.append((key, value, isinstance(marks[f.name], _ModelMark)))
+    return found
+
+
+def relative_paths(config: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> value of every ``LocalPath`` / ``ModelSource`` setting that names a relative local path (a
-    model setting only when such a path exists): what another working folder would read differently."""
-    found: dict[str, str] = {}
+    model setting only when such a path exists; a list when any of its items does): what another working folder
+    would read differently."""
+    found: dict[str, Any] = {}
     marks = _field_marks(type(config))
     for f in dataclasses.fields(config):
         value, key = getattr(config, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             found.update(relative_paths(value, f"{key}."))
-        elif f.name in marks:
-            for item in value if isinstance(value, (list, tuple)) else [value]:
-                relative = isinstance(item, str) and "://" not in item and not os.path.isabs(item)
-                if relative and (not isinstance(marks[f.name], _ModelMark) or os.path.exists(item)):
-                    found[key] = item
+        elif f.name in marks and any(_is_relative_path(item, marks[f.name])
+                                     for item in (value if isinstance(value, (list, tuple)) else [value])):
+            found[key] = value
     return found
+
+
+def _is_relative_path(item: Any, mark: _PathMark) -> bool:
+    relative = isinstance(item, str) and "://" not in item and not os.path.isabs(item)
+    return relative and (not isinstance(mark, _ModelMark) or os.path.exists(item))
 
 
 def canonical(value: Any, resolve_model: ModelResolver | None = None, mark: _PathMark | None = None) -> Any:

@@ -87,6 +87,11 @@ class Layout:
         return self.root / "state.json"
 
     @property
+    def reserve(self) -> Path:
+        """Disk space held back so that a full disk can still record how a run ended (RunStore._save)."""
+        return self.root / "space.reserve"
+
+    @property
     def init_lock(self) -> Path:
         return self.root / ".init.lock"
 

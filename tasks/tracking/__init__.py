@@ -16,10 +16,13 @@ from tasks.tracking.registry import (ModelRef, get_alias_version, is_transient_e
 from tasks.tracking.runs import (KIND_TAG, RUN_ID_TAG, STAGE_TAG, StageTracker, end_run, log_figure, log_file,
                                  log_metrics, log_params_flat, log_tables, logged_keys, pipeline_run, replay_metrics, run_url,
                                  set_description, set_run_name, set_tags, stage_run)
-from tasks.tracking.setup import configure_tracking, ensure_experiment, rebase_local_store
+from tasks.tracking.runs import MetricSender, TrackingUnavailable
+from tasks.tracking.setup import (check_server, configure_tracking, ensure_experiment, keep_credentials_out,
+                                  rebase_local_store, without_credentials)
 
 __all__ = ["KIND_TAG", "RUN_ID_TAG", "STAGE_TAG", "ModelRef", "StageTracker", "configure_tracking", "end_run",
            "ensure_experiment", "get_alias_version", "is_transient_error", "log_figure", "log_file", "log_metrics",
            "log_params_flat", "logged_keys", "model_identity", "parse_model_uri", "pipeline_run", "rebase_local_store",
            "register_model", "replay_metrics", "resolve_model_uri", "set_alias", "set_description", "set_run_name",
-           "set_tags", "stage_run", "tag_model_version", "log_tables", "run_url"]
+           "set_tags", "stage_run", "tag_model_version", "log_tables", "run_url", "keep_credentials_out",
+           "without_credentials", "check_server", "MetricSender", "TrackingUnavailable"]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -200,12 +202,20 @@ def log_file(run_id: str, path: str | os.PathLike[str], artifact_path: str | Non
 
 class StageTracker:
     """Live metrics of one stage: to its MLflow run (chosen curves also to the parent), and to a JSON-lines file
-    kept in the artifact, so that a later run reusing the artifact shows the same curves (:func:`replay_metrics`)."""
+    kept in the artifact, so that a later run reusing the artifact shows the same curves (:func:`replay_metrics`).
 
-    def __init__(self, run_id: str, parent_run_id: str, record: Path, flush_every: int = 1) -> None:
+    Training never waits on the tracking server: :meth:`log` appends to the file and queues the values, which a
+    :class:`MetricSender` thread sends in order. While the server is away they wait in the queue (and in the file);
+    when it is back they go through. :meth:`flush` waits for the queue to empty, at most ``drain_seconds``.
+    """
+
+    def __init__(self, run_id: str, parent_run_id: str, record: Path, flush_every: int = 1,
+                 drain_seconds: float | None = None) -> None:
         self.run_id, self.parent_run_id, self.record, self.flush_every = run_id, parent_run_id, record, flush_every
         self._pending: dict[str, list[Metric]] = {run_id: [], parent_run_id: []}
         self._calls = 0
+        self._sender = MetricSender()
+        self.drain_seconds = DRAIN_SECONDS if drain_seconds is None else drain_seconds
 
     def log(self, metrics: Mapping[str, float], step: int, to_parent: Iterable[str] = ()) -> None:
         """``metrics`` at ``step`` to the stage run; the keys in ``to_parent`` to the parent run too."""
@@ -218,13 +228,109 @@ class StageTracker:
         self._pending[self.parent_run_id] += [Metric(k, v, now, step) for k, v in parent.items()]
         self._calls += 1
         if self._calls % self.flush_every == 0:
-            self.flush()
+            self._queue_pending()
 
-    def flush(self) -> None:
+    def _queue_pending(self) -> None:
         for run_id, entries in self._pending.items():
             if entries:
-                _log_batch(run_id, entries)
+                self._sender.put(run_id, entries)
                 self._pending[run_id] = []
+
+    def flush(self) -> None:
+        """Send everything logged so far; TrackingUnavailable when the server has not taken it in time."""
+        self._queue_pending()
+        self._sender.drain(self.drain_seconds, self.record)
+
+
+DRAIN_SECONDS = 600.0
+"""How long a stage's end waits for a tracking server that went away to take its queued metrics."""
+
+
+class TrackingUnavailable(ConnectionError):
+    """The tracking server cannot be reached (at start), or did not take queued metrics in time."""
+
+
+class MetricSender:
+    """Sends queued metric batches to MLflow from a daemon thread, in order. A batch that fails for a reason that
+    may pass (the server is down or busy) is retried with pauses growing to :data:`MAX_PAUSE_SECONDS`; one MLflow
+    refuses outright is dropped with a warning (the values stay in the stage's metrics file)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[str, list[Metric]]] = deque()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.last_error: BaseException | None = None
+
+    def put(self, run_id: str, entries: Sequence[Metric]) -> None:
+        with self._changed:
+            self._queue.append((run_id, list(entries)))
+            self._changed.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
+                self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Metric values not sent yet."""
+        with self._changed:
+            return sum(len(entries) for _, entries in self._queue)
+
+    def drain(self, timeout: float, record: Path | None = None) -> None:
+        """Wait until every queued batch is sent; TrackingUnavailable after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._queue:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    kept = f"; they are kept in {record}" if record is not None else ""
+                    raise TrackingUnavailable(
+                        f"MLflow at {mlflow.get_tracking_uri()} has not taken {self.queued} metric values for "
+                        f"{timeout:.0f} s ({type(self.last_error).__name__}: {str(self.last_error).splitlines()[0]})"
+                        f"{kept}; `rlhf resume` once it is back")
+                self._changed.wait(min(left, 1.0))
+
+    def _loop(self) -> None:
+        pause = 1.0
+        while True:
+            with self._changed:
+                if not self._queue:  # all sent: the thread ends (the next put starts another)
+                    self._thread = None
+                    return
+                run_id, entries = self._queue[0]
+            try:
+                _log_batch(run_id, entries)
+            except Exception as error:  # noqa: BLE001 (whatever the client raises, training must not see it)
+                if not _may_pass(error):
+                    log.warning("MLflow refused %d metric values of run %s (%s: %s); they stay in the stage's "
+                                "metrics file", len(entries), run_id, type(error).__name__,
+                                (str(error).splitlines() or [""])[0])
+                else:
+                    if self.last_error is None:
+                        log.warning("MLflow is not answering (%s); metrics wait in a queue and are sent when it "
+                                    "is back; training goes on", type(error).__name__)
+                    self.last_error = error
+                    time.sleep(pause)
+                    pause = min(pause * 2, MAX_PAUSE_SECONDS)
+                    continue
+            with self._changed:
+                self._queue.popleft()
+                if self.last_error is not None and not isinstance(self.last_error, MlflowException):
+                    log.warning("MLflow is back; sending the queued metrics")
+                self.last_error = None
+                pause = 1.0
+                self._changed.notify_all()
+
+
+MAX_PAUSE_SECONDS = 30.0
+"""Longest pause between two tries of a metric batch while the tracking server is away."""
+
+
+def _may_pass(error: BaseException) -> bool:
+    """A transport or server-side failure (no connection, timeouts, 5xx, rate limits), not a refusal of the values
+    (MLflow's client reports a refused connection as INTERNAL_ERROR after its own retries)."""
+    if isinstance(error, MlflowException):
+        return error.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "INTERNAL_ERROR")
+    return isinstance(error, (OSError, TimeoutError))  # ConnectionError and requests' errors are OSErrors
 
 
 def logged_keys(record: Path) -> set[str]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import mlflow
 from mlflow import MlflowClient
@@ -16,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking._tracking_service import utils as tracking_service_utils
 
 if TYPE_CHECKING:
+    from tasks.config import PipelineConfig
     from tasks.run_store import RunStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ def configure_tracking(store: RunStore, uri: str | None = None) -> str:
     local = f"sqlite:///{store.layout.mlflow_db}"
     resolved = from_user or uri or local
     _own_uri = None if from_user else resolved
+    check_server(resolved)
     mlflow.set_tracking_uri(resolved)
     with store.initializing():
         if resolved == local:
@@ -61,6 +64,70 @@ def configure_tracking(store: RunStore, uri: str | None = None) -> str:
         if store.moved_from:
             store.settle_move()
     return resolved
+
+
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+"""Bounds on one request to a tracking server (each may be set in the environment): 3 retries 1, 2, 4 s apart and
+30 s per try, instead of MLflow's 7 retries up to 64 s apart and 120 s per try (a down server held a run 499 s)."""
+REACHABLE_TIMEOUT_SECONDS = 5.0
+
+
+def check_server(uri: str | None) -> None:
+    """For a tracking server (http/https; ``uri`` None = MLFLOW_TRACKING_URI, if set): bound each request
+    (:data:`HTTP_LIMITS`) and fail in seconds, in one line, when nothing answers (:func:`check_reachable`)."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or urlparse(uri).scheme not in ("http", "https"):
+        return
+    for name, value in HTTP_LIMITS.items():  # MLflow's own defaults retry one request for minutes
+        os.environ.setdefault(name, value)
+    check_reachable(uri)
+
+
+def check_reachable(uri: str, timeout: float = REACHABLE_TIMEOUT_SECONDS) -> None:
+    """TrackingUnavailable, in one line and within ``timeout`` seconds, when nothing answers at the server's
+    address (any HTTP answer, an error status included, counts as reachable: the server then says what is wrong)."""
+    import requests
+
+    from tasks.tracking.runs import TrackingUnavailable
+
+    clean = without_credentials(uri)[0]
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=timeout)
+    except requests.RequestException as err:
+        reason = type(err).__name__
+        raise TrackingUnavailable(f"MLflow tracking server {clean} is not reachable ({reason} within {timeout:.0f} s); "
+                                  "start it, or unset MLFLOW_TRACKING_URI / tracking.tracking_uri to track into the "
+                                  "state folder") from None
+
+
+def without_credentials(uri: str) -> tuple[str, tuple[str, str] | None]:
+    """``uri`` without a ``user:password@`` part, and that (user, password) (None when it has none)."""
+    parsed = urlparse(uri)
+    if parsed.username is None and parsed.password is None:
+        return uri, None
+    host = parsed.netloc.rpartition("@")[2]
+    return parsed._replace(netloc=host).geturl(), (unquote(parsed.username or ""), unquote(parsed.password or ""))
+
+
+def keep_credentials_out(config: PipelineConfig) -> PipelineConfig:
+    """The config to record: a user and password in ``tracking.tracking_uri`` move into this process's
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (MLflow's basic auth, inherited by stage subprocesses),
+    so the run's config.yaml, its MLflow params and its logs never hold them. A later ``rlhf resume`` reads them
+    from those variables."""
+    uri = config.tracking.tracking_uri
+    clean, credentials = without_credentials(uri) if uri else (uri, None)
+    if credentials is None:
+        return config
+    if urlparse(uri).scheme not in ("http", "https"):  # a database store reads them from the URI only
+        from tasks.typed_yaml import ConfigError
+
+        raise ConfigError("tracking.tracking_uri holds a password, which would be recorded with the run: set the URI "
+                          "in MLFLOW_TRACKING_URI instead (it wins over tracking.tracking_uri and is never recorded)")
+    os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = credentials
+    log.warning("tracking.tracking_uri held a user and password: they are kept out of the recorded config; "
+                "`rlhf resume` in another shell needs MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+    return dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, tracking_uri=clean))
 
 
 def rebase_local_store(db: Path, old_root: str, new_root: str) -> int:

@@ -74,7 +74,7 @@ def test_checkpoints_are_pickle_free_atomic_and_pruned(tmp_path: Path):
     assert steps == ["step_000004", "step_000006"]  # keep=2
     files = {p.name for p in (tmp_path / "step_000006").iterdir()}
     assert files == {"policy.safetensors", "value.safetensors", "optimizer.safetensors", "optimizer.json",
-                     "rng.safetensors", "state.json"}
+                     "rng.safetensors", "state.json", "manifest.json"}
     assert not list(tmp_path.glob(".tmp-*"))
     # A half-written checkpoint (killed mid-save) is never picked up: only `latest` counts.
     (tmp_path / ".tmp-step_000008-x").mkdir()

@@ -14,6 +14,7 @@ reported before clipping, are compared too.
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ WORLD_SIZE = 2
 RELATIVE_TOL = 1e-3
 """Max ||w_2proc - w_1proc|| / ||w_1proc - w_start|| over all weights."""
 LOSS_TOL = 1e-5
+WORKER_TIMEOUT_SECONDS = 900
+"""Every case on 2 processes takes ~4 minutes here; a hang fails the module instead of the whole CI run."""
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +47,14 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     """(one-process results, two-process results) of every case."""
     folder = tmp_path_factory.mktemp("zero")
     build_experience(folder)
-    mp.spawn(worker, args=(WORLD_SIZE, _free_port(), str(folder)), nprocs=WORLD_SIZE, join=True)
+    workers = mp.start_processes(worker, args=(WORLD_SIZE, _free_port(), str(folder)), nprocs=WORLD_SIZE,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + WORKER_TIMEOUT_SECONDS
+    while not workers.join(timeout=5):  # raises when a worker fails
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD_SIZE} DeepSpeed workers did not finish in {WORKER_TIMEOUT_SECONDS} s (killed)")
     distributed = torch.load(folder / "distributed.pt", weights_only=False)
     local = {"rm": train_rm(None), "rm_lora": train_rm(None, lora=True)}
     for name, (_, value_model) in CASES.items():
@@ -119,6 +129,9 @@ def test_resumed_zero3_run_ends_where_the_uninterrupted_one_does(runs, tmp_path_
     _, distributed = runs
     resume = distributed["resume"]
     assert resume["resumed_from"] == 1
+    # The manifest that a resume verifies covers the ZeRO shards too, not only the safetensors files.
+    assert any(name.startswith("deepspeed/engine0/") for name in resume["sealed"]), resume["sealed"]
+    assert {"policy.safetensors", "state.json", "rng.safetensors"} <= set(resume["sealed"])
     assert len(resume["straight"]) == len(resume["resumed"]) == 2
     for straight, resumed in zip(resume["straight"], resume["resumed"], strict=True):
         untimed = {k: v for k, v in straight.items() if not k.startswith("time/")}

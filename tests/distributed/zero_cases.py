@@ -154,7 +154,9 @@ def interrupted_and_straight_runs(make_strategy: StrategyFactory, folder: Path) 
               make_strategy=make_strategy)
     resumed = train_ppo(ppo_models("critic"), PROMPTS, RESUME_CONFIG, 2, checkpoint_dir=folder / "resumed",
                         make_strategy=make_strategy)
-    return {"straight": straight.history, "resumed": resumed.history, "resumed_from": resumed.resumed_from_step}
+    sealed = json.loads((folder / "resumed" / "step_000002" / "manifest.json").read_text())["files"]
+    return {"straight": straight.history, "resumed": resumed.history, "resumed_from": resumed.resumed_from_step,
+            "sealed": sorted(sealed)}
 
 
 def _state(strategy, module) -> dict[str, torch.Tensor]:

@@ -199,7 +199,10 @@ def test_nothing_in_the_state_folder_is_a_pickle(tmp_path, mlflow_store):
     assert pickles == []
     assert list(state.glob("runs/*/run.json")) and not list(state.glob("prefect/results/*"))
     # A failed flow run's exception is a result Prefect always writes, whatever the persistence setting: JSON.
-    assert run_cli("run", "--preset", "tiny", *TINY, "sft.base_model=/nonexistent", *unique("pickle", tmp_path),
+    broken = tmp_path / "not-a-model"  # passes the checks before the run (it exists), fails when sft loads it
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert run_cli("run", "--preset", "tiny", *TINY, f"sft.base_model={broken}", *unique("pickle", tmp_path),
                    "--state-dir", str(state)) == 1
     storage = Path(get_current_settings().results.local_storage_path)
     written = [p for p in storage.iterdir() if p.is_file()] if storage.is_dir() else []

@@ -322,7 +322,7 @@ def test_stage_timeout_is_positive_or_none() -> None:
     assert load_config(None, "tiny").orchestration.stage_timeout_minutes is None
     assert load_config(None, "tiny", ["orchestration.stage_timeout_minutes=90"]).orchestration.stage_timeout_minutes == 90
     message = error_of(path=None, preset="tiny", overrides=["orchestration.stage_timeout_minutes=0"])
-    assert "orchestration.stage_timeout_minutes must be > 0" in message
+    assert "bad value 0 for 'orchestration.stage_timeout_minutes'" in message and "must be > 0 (or null)" in message
 
 
 def test_changed_settings_are_what_differs_from_the_preset(tmp_path: Path) -> None:

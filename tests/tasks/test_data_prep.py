@@ -197,7 +197,7 @@ def test_cli_prep_prints_counts_for_malformed_sample(tmp_path: Path, capsys) -> 
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [([], "quarantined fraction 0.333 exceeds max_quarantine_fraction 0.100"),
-     (["--max-quarantine-fraction", "3"], "data.prep.max_quarantine_fraction must be in [0, 1], got 3.0"),
+     (["--max-quarantine-fraction", "3"], "bad value 3 for 'data.prep.max_quarantine_fraction' (from override 'data.prep.max_quarantine_fraction=3'): must be in [0, 1]"),
      (["--format", "trl", "--prompts", "missing.csv"], "missing.csv: no such file")],
 )
 def test_cli_data_errors_exit_2_with_one_line(tmp_path: Path, capsys, extra: list[str], needle: str) -> None:

@@ -390,7 +390,7 @@ def test_promotion_rule() -> None:
 def test_refresh_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match="labels_file is read only with refresh.annotator='file'"):
         load_config(preset="tiny", overrides=["refresh.labels_file=x.csv"])
-    with pytest.raises(ConfigError, match="on_policy_eval_fraction must be in"):
+    with pytest.raises(ConfigError, match=r"'refresh.on_policy_eval_fraction' .*: must be in \(0, 1\)"):
         load_config(preset="tiny", overrides=["refresh.on_policy_eval_fraction=1.0"])
     with pytest.raises(ConfigError, match="validation_fraction"):
         load_config(preset="tiny", overrides=["refresh.validation_fraction=1.0"])

@@ -153,6 +153,7 @@ def test_stage_tracker_batches_curves_and_replay_gives_a_later_run_the_last_valu
             assert history(stage, "ppo/loss") == []  # batched: nothing sent before the third call
             # the attempt died after step 2's checkpoint-less log; the retry logs step 2 again
             tracker.log({"ppo/loss": 0.7, "ppo/kl": 0.3}, step=2, to_parent=["ppo/kl"])
+            tracker.flush()  # the third call queued the batch; a background thread sends it (wait for it here)
             assert history(stage, "ppo/loss") == [(1, 1.0), (2, 0.7), (2, 0.8)]  # live: both points of step 2
             tracker.log({"ppo/loss": 0.5}, step=3)
             tracker.flush()

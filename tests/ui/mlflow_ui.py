@@ -8,7 +8,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 from playwright.sync_api import Locator, Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+from flows.commands import free_port
 
 BIN = Path(sys.executable).parent  # the virtual environment's scripts: rlhf, mlflow
 #: How long a page wait may take: the first load on a busy 2-core machine takes ~10 s.
@@ -67,19 +68,12 @@ def run_rlhf(state: Path, *overrides: str, timeout: float = 150) -> None:
         raise AssertionError(f"rlhf run {' '.join(overrides)} {verdict} (full output: {log}):\n{tail}")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def mlflow_server(state: Path, timeout: float = 90) -> Iterator[str]:
     """A real ``mlflow server`` on the run store's SQLite file; yields its base URL once ``/health`` answers.
     No artifact options: the store recorded absolute ``file://`` artifact locations under ``<state>/mlartifacts``.
     One worker: the default four cost a 2-core machine seconds at start and nothing here needs them."""
-    port = free_port()
+    port = free_port(0)  # one the system picks
     log = state.parent / "mlflow-server.log"
     with log.open("w") as out:
         process = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri",

@@ -150,8 +150,9 @@ def test_max_length_counts_tokens_when_tokenizer_given() -> None:
     by_tokens = prepare_data([source([record])], config, FakeChatTokenizer())
     by_chars = prepare_data([source([record])], config)
     assert [q["column"] for q in by_tokens.quarantine] == ["chosen"]  # 5 tokens > 4
-    assert "5 > 4" in by_tokens.quarantine[0]["detail"]
-    assert "23 > 4" in by_chars.quarantine[0]["detail"]  # len("one two three four five")
+    assert "5 tokens > max_length 4" in by_tokens.quarantine[0]["detail"]
+    assert "23 characters > max_length 4" in by_chars.quarantine[0]["detail"]  # len("one two three four five")
+    assert (by_tokens.counts.length_unit, by_chars.counts.length_unit) == ("tokens", "characters")
 
 
 def test_real_transformers_tokenizer_template_and_token_lengths() -> None:

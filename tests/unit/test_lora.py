@@ -175,11 +175,12 @@ def test_lora_settings_load_from_dotted_overrides():
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("ppo.lora.rank=0", "lora.rank must be >= 1"),
-    ("ppo.lora.alpha=-1", "lora.alpha must be > 0"),
+    ("ppo.lora.rank=0", "bad value 0 for 'ppo.lora.rank' (from override 'ppo.lora.rank=0'): must be >= 1"),
+    ("ppo.lora.alpha=-1", "'ppo.lora.alpha' (from override 'ppo.lora.alpha=-1'): must be > 0"),
     ("ppo.lora.enabled=yes please", "expected true or false"),
     ("ppo.lora.ranks=4", "did you mean 'ppo.lora.rank'"),
-    ("reward_model.training.lora.dropout=1.5", "lora.dropout must be in [0, 1)"),
+    ("reward_model.training.lora.dropout=1.5", "'reward_model.training.lora.dropout' (from override "
+                                               "'reward_model.training.lora.dropout=1.5'): must be in [0, 1)"),
 ])
 def test_bad_lora_settings_fail_in_one_line(override, expected):
     with pytest.raises(ConfigError) as info:
