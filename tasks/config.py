@@ -28,7 +28,8 @@ from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
 from rlhf_core.ranges import Count, Fraction, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
-from tasks.typed_yaml import ConfigError, build, derived, flatten_for_params, merge_layer, parse_override, read_yaml
+from tasks.typed_yaml import (ConfigError, build, derived, flatten_for_params, merge_layer, one_line, parse_override,
+                              read_yaml)
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "presets"
 
@@ -363,7 +364,7 @@ def _layers(path: str | Path | None, preset: str | None,
     if path is not None:
         merge_layer(merged, read_yaml(Path(path)), str(path), origins)
     for item in overrides:
-        merge_layer(merged, parse_override(item), f"override '{item}'", origins)
+        merge_layer(merged, parse_override(item), f"override '{one_line(item)}'", origins)
     return merged, "", origins
 
 

@@ -122,6 +122,11 @@ def merge_layer(base: dict[str, Any], layer: Mapping[Any, Any], source: str, ori
             base[key] = value
 
 
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped (``\\n``, ``\\t``), so a message quoting it stays on one line."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 def source_of(key: str, origins: Mapping[str, str]) -> str:
     while key:
         if key in origins:
@@ -239,7 +244,8 @@ def _build_dataclass(cls: type, value: Any, key: str, origins: Mapping[str, str]
         if name not in names:
             close = _did_you_mean(str(name), value[name], names, key)
             hint = f"did you mean '{prefix}{close}'? " if close else ""
-            raise ConfigError(f"unknown setting '{prefix}{name}' (from {source_of(prefix + str(name), origins)}); "
+            dotted = prefix + str(name)
+            raise ConfigError(f"unknown setting '{one_line(dotted)}' (from {source_of(dotted, origins)}); "
                               f"{hint}valid keys under '{where}': {', '.join(names)}")
     kwargs = {name: build(hints[name], value[name], prefix + name, origins) for name in names if name in value}
     try:

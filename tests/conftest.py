@@ -8,6 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (a CI verdict never depends on luck); a random, longer
+# search is one environment variable away: HYPOTHESIS_PROFILE=explore.
+settings.register_profile("default", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 _STATE = tempfile.mkdtemp(prefix="rlhf-tests-")
 os.environ.setdefault("PREFECT_HOME", os.path.join(_STATE, "prefect"))

@@ -218,13 +218,13 @@ def test_any_value_of_a_ranged_setting_is_in_range_or_refused_in_one_line(key: s
 
 
 @settings(max_examples=60, deadline=None)
-@given(key=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.", min_size=1, max_size=30),
+@given(key=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.\n\t ", min_size=1, max_size=30),
        raw=st.text(max_size=20))
 def test_any_override_loads_or_is_refused_as_a_config_error(key: str, raw: str) -> None:
     try:
         load_config(None, "tiny", [f"{key}={raw}"])
     except ConfigError as err:
-        assert "\n" not in str(err).strip() or "YAML" in str(err)
+        assert "\n" not in str(err), str(err)
 
 
 # ----------------------------------------------------------------------------- credentials
