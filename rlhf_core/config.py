@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from rlhf_core.ppo.aggregation import LossAggregation
 from rlhf_core.ppo.kl import KLEstimator
 from rlhf_core.ranges import (ClipNorm, Count, Fraction, NonNegative, Positive, PositiveInt, Range,
                               check_ranges)
@@ -42,9 +43,11 @@ class KLConfig:
     coef: NonNegative = 0.05
     """Initial KL coefficient (TRL 0.05, OpenRLHF 0.01, verl 0.001)."""
     estimator: KLEstimator = "k1"
-    """Per-token KL estimator used for the penalty: k1 (TRL default), k2, k3, abs."""
+    """Per-token KL estimator: k1 (TRL default), k2, k3, abs. In the loss k1 is refused: its gradient averages to
+    zero, so the leash would silently vanish; use k3 (GRPO) or k2 there."""
     placement: Literal["reward", "loss"] = "reward"
-    """'reward': -coef*kl in the per-token reward (InstructGPT); 'loss': coef*KL added to the loss (GRPO-style)."""
+    """'reward': -coef*kl in the per-token reward (InstructGPT); 'loss': coef*KL added to the loss (GRPO-style,
+    aggregated like the other loss terms)."""
     adaptive: bool = False
     """Adapt coef towards `target` per-sequence KL (Ziegler et al.); else coef stays fixed."""
     target: Positive = 6.0
@@ -54,6 +57,9 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self, "kl")
+        if self.placement == "loss" and self.estimator == "k1":
+            raise ValueError("ppo.kl.estimator=k1 with ppo.kl.placement=loss: the gradient of k1 averages to zero, so "
+                             "the KL term would not pull the policy back; set ppo.kl.estimator=k3 (or k2)")
 
 
 @dataclass(frozen=True)
@@ -130,12 +136,27 @@ class PPOConfig:
     """Discount per token."""
     lam: Fraction = 0.95
     """GAE lambda."""
-    advantage: Literal["gae", "sequence"] = "gae"
-    """'gae': token-level GAE; 'sequence': A = R - V(s) broadcast over tokens."""
+    advantage: Literal["gae", "sequence", "grpo", "rloo", "reinforce_pp"] = "gae"
+    """The advantage estimator. With a value model: 'gae' (token-level GAE) or 'sequence' (A = R - V(s) on every
+    token). Critic-free (no value model is built): 'grpo' (each reply's score minus its group's mean, divided by
+    the group's std when ``grpo_scale_by_std``), 'rloo' (score minus the mean of the group's other replies),
+    'reinforce_pp' (REINFORCE++: the score itself, whitened over the batch). For the critic-free ones the
+    advantage of a token is that baseline-adjusted score plus the KL penalties from that token on (with
+    ``kl.placement=reward``), discounted by ``gamma``. A group is the ``samples_per_prompt`` replies to one prompt."""
+    samples_per_prompt: PositiveInt = 1
+    """Replies sampled per prompt; ``rollout_batch_size / samples_per_prompt`` prompts per update. 'grpo' and 'rloo'
+    need at least 2 (their baseline is the group)."""
+    grpo_scale_by_std: bool = True
+    """'grpo': divide by the group's score std (the original GRPO); False = Dr. GRPO (no std division)."""
+    loss_aggregation: LossAggregation = "token-mean"
+    """How per-token loss terms (policy, value, entropy, KL) become one loss over a mini-batch:
+    'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' (a constant normaliser, Dr. GRPO); see
+    rlhf_core/ppo/aggregation.py. Always over the whole mini-batch, so micro-batch size never changes the update."""
     whiten_advantages: bool = True
     """Whiten advantages over the rollout batch (mean shifted)."""
     value_model: Literal["critic", "head"] = "head"
-    """'critic': separate model initialised from the reward model; 'head': linear value head on the policy."""
+    """'critic': separate model initialised from the reward model; 'head': linear value head on the policy.
+    Critic-free estimators build neither."""
     ref_refresh_every: Annotated[int, Range(ge=0, note="0 = never")] = 0
     """Copy the policy into the reference every N updates (0 = never). With LoRA: merge the adapter into the
     shared base weights and restart the adapter (B = 0, fresh A, its optimizer moments cleared)."""
@@ -164,6 +185,19 @@ class PPOConfig:
                 f"ppo.lora.dropout must be 0 (got {self.lora.dropout}): PPO runs every model without dropout so "
                 "that the first ratio is exactly 1; set ppo.lora.dropout=0"
             )
+        if self.rollout_batch_size % self.samples_per_prompt:
+            raise ValueError(
+                f"ppo.samples_per_prompt ({self.samples_per_prompt}) must divide "
+                f"ppo.rollout_batch_size ({self.rollout_batch_size}): the batch is whole groups of replies"
+            )
+        if self.advantage in ("grpo", "rloo") and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"ppo.advantage={self.advantage} compares the replies to one prompt: set ppo.samples_per_prompt >= 2 "
+                f"(got {self.samples_per_prompt})"
+            )
+        if self.advantage == "reinforce_pp" and not self.whiten_advantages:
+            raise ValueError("ppo.advantage=reinforce_pp whitens its returns over the batch (that is its baseline); "
+                             "set ppo.whiten_advantages=true")
         if self.rollout_batch_size % self.mini_batch_size:
             raise ValueError(
                 f"ppo.mini_batch_size ({self.mini_batch_size}) must divide "
@@ -179,6 +213,16 @@ class PPOConfig:
                 "ppo.whiten_advantages needs ppo.rollout_batch_size >= 8 (whitening a tiny batch is noise); "
                 "raise the batch size or set whiten_advantages=False"
             )
+
+    @property
+    def uses_value_model(self) -> bool:
+        """False for the critic-free estimators: no value model is built, trained or checkpointed."""
+        return self.advantage in ("gae", "sequence")
+
+    @property
+    def prompts_per_update(self) -> int:
+        """Prompts per PPO update: each is sampled ``samples_per_prompt`` times."""
+        return self.rollout_batch_size // self.samples_per_prompt
 
 
 @dataclass(frozen=True)

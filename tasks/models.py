@@ -45,7 +45,8 @@ def reward_scorer(runtime: Runtime, folder: str | Path, tokenizer: PreTrainedTok
 
 def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_dir: str | Path,
                      reward_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> PPOModels:
-    """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model.
+    """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model (none for
+    a critic-free estimator).
 
     With ``config.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
     model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
@@ -60,6 +61,8 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     policy, reference = lora_policy(policy, lora, seed) if lora.enabled else (policy, make_reference(policy))
     common = dict(policy=policy, reference=reference, scorer=scorer,
                   stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
+    if not config.uses_value_model:  # a critic-free estimator: no value model is built or loaded
+        return PPOModels(**common)
     if config.value_model == "critic":
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))

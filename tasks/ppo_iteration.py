@@ -140,11 +140,11 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
 
 def _save_policy(models: PPOModels, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """A plain Hugging Face policy (a LoRA adapter is merged into a copy of the weights) + the value model's
-    trained weights (a LoRA critic: its adapter and head; the base is the proxy reward model)."""
+    trained weights when there is one (a LoRA critic: its adapter and head; the base is the proxy reward model)."""
     plain_model(models.policy).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    value = models.value_head if models.value_head is not None else models.critic
-    save_model(trainable_view(value), str(folder / VALUE_FILE))
+    if models.value_model is not None:
+        save_model(trainable_view(models.value_model), str(folder / VALUE_FILE))
 
 
 @torch.no_grad()

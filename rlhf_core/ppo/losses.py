@@ -1,4 +1,9 @@
-"""PPO and reward-model losses as small pure functions. Token means are taken over ``response_mask``."""
+"""PPO and reward-model losses as small pure functions.
+
+Per-token terms are aggregated over ``response_mask`` by :func:`rlhf_core.ppo.aggregation.agg_loss`: given the
+mini-batch's :class:`~rlhf_core.ppo.aggregation.Normaliser`, each function returns a micro-batch's share of the
+mini-batch loss (and of its diagnostics); without one, the token mean over the batch given.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.ppo.masking import masked_mean
+from rlhf_core.ppo.aggregation import Normaliser, agg_loss
 
 
 @dataclass(frozen=True)
@@ -26,22 +31,25 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range: float = 0.2,
+    normaliser: Normaliser | None = None,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, token-mean over the mask.
+    """PPO clipped surrogate ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, aggregated over the mask.
 
     logprobs (with grad), old_logprobs, advantages, response_mask: (B, T).
-    ``clipfrac`` is the fraction of real tokens where the clipped branch was taken;
+    ``clipfrac`` is the fraction of real tokens where the clipped branch was taken (diagnostics are token means
+    over the same tokens whatever the aggregation);
     ``approx_kl = 0.5 * mean((logp - old_logp)^2)`` (the k2 estimate of KL(old || new)).
     """
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    loss = agg_loss(torch.maximum(unclipped, clipped), response_mask, normaliser)
+    per_token = normaliser.per_token() if normaliser is not None else None
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
-        approx_kl = 0.5 * masked_mean(log_ratio**2, response_mask)
-        ratio_mean = masked_mean(ratio, response_mask)
+        clipfrac = agg_loss((clipped > unclipped).float(), response_mask, per_token)
+        approx_kl = 0.5 * agg_loss(log_ratio**2, response_mask, per_token)
+        ratio_mean = agg_loss(ratio, response_mask, per_token)
     return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
 
 
@@ -59,8 +67,9 @@ def value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range_value: float | None = 0.2,
+    normaliser: Normaliser | None = None,
 ) -> ValueLossOutput:
-    """``0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)``, token-mean over the mask.
+    """``0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)``, aggregated over the mask.
 
     values (with grad), old_values, returns, response_mask: (B, T). ``clip_range_value=None`` disables
     clipping (plain ``0.5 * (V - R)^2``).
@@ -70,13 +79,14 @@ def value_loss(
     # otherwise give NaN * 0 = NaN gradients at masked positions, which then poison the critic.
     unclipped = torch.where(response_mask, values - returns, zeros) ** 2
     if clip_range_value is None:
-        loss = 0.5 * masked_mean(unclipped, response_mask)
+        loss = 0.5 * agg_loss(unclipped, response_mask, normaliser)
         return ValueLossOutput(loss, torch.zeros((), device=values.device))
     values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
     clipped = torch.where(response_mask, values_clipped - returns, zeros) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, normaliser)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        clipfrac = agg_loss((clipped > unclipped).float(), response_mask,
+                            normaliser.per_token() if normaliser is not None else None)
     return ValueLossOutput(loss, clipfrac)
 
 

@@ -16,7 +16,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.models.memory import autocast
 from rlhf_core.models.roles import Critic, ValueHead, critic_forward, policy_forward
 from rlhf_core.models.scoring import Scorer
-from rlhf_core.ppo.advantages import gae, sequence_advantages, whiten_advantages
+from rlhf_core.ppo.advantages import baseline_scores, gae, returns_to_go, sequence_advantages, whiten_advantages
 from rlhf_core.ppo.kl import kl_estimate
 from rlhf_core.ppo.masking import masked_mean, masked_sum
 from rlhf_core.ppo.rewards import RunningMoments, shape_scores, token_rewards
@@ -26,7 +26,7 @@ from rlhf_core.training.rollout import Rollout, generate_in_batches
 
 @dataclass
 class PPOModels:
-    """The four roles. Exactly one of ``value_head`` / ``critic`` is set."""
+    """The four roles. At most one of ``value_head`` / ``critic`` is set; neither for a critic-free estimator."""
 
     policy: nn.Module
     reference: nn.Module
@@ -37,18 +37,23 @@ class PPOModels:
     critic: Critic | None = None
 
     def __post_init__(self) -> None:
-        if (self.value_head is None) == (self.critic is None):
-            raise ValueError("PPOModels needs exactly one value model: value_head (on the policy) or critic")
+        if self.value_head is not None and self.critic is not None:
+            raise ValueError("PPOModels takes one value model: value_head (on the policy) or critic, not both")
         if self.pad_token_id in self.stop_token_ids:
             raise ValueError(
                 f"pad token id {self.pad_token_id} is also a stop token: the stop token would be masked and "
                 "the policy would never learn to stop. Give the tokenizer a pad token distinct from eos"
             )
 
+    @property
+    def value_model(self) -> nn.Module | None:
+        """The trained value model: the value head, the critic, or None (critic-free estimators)."""
+        return self.value_head if self.value_head is not None else self.critic
+
     def value_parameters(self) -> list[nn.Parameter]:
-        """Trainable parameters of the value model."""
-        module = self.value_head if self.value_head is not None else self.critic
-        return [p for p in module.parameters() if p.requires_grad]
+        """Trainable parameters of the value model (none without one)."""
+        module = self.value_model
+        return [] if module is None else [p for p in module.parameters() if p.requires_grad]
 
 
 GatherScored = Callable[
@@ -91,7 +96,12 @@ def old_policy_outputs(
         out = policy_forward(models.policy, ids, mask, query_len, temperature, models.value_head)
         logprobs.append(out.logprobs)
         ref_logprobs.append(policy_forward(models.reference, ids, mask, query_len, temperature).logprobs)
-        values.append(out.values if out.values is not None else critic_forward(models.critic, ids, mask, query_len))
+        if out.values is not None:
+            values.append(out.values)
+        elif models.critic is not None:
+            values.append(critic_forward(models.critic, ids, mask, query_len))
+        else:  # critic-free: no values (zeros keep the batch's shapes; nothing reads them)
+            values.append(torch.zeros_like(out.logprobs, dtype=torch.float32))
     return torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values)
 
 
@@ -140,18 +150,26 @@ def build_experience(
     kl_coef: float,
     moments: RunningMoments,
 ) -> tuple[Experience, RolloutStats]:
-    """Scores -> per-token rewards -> advantages and returns (before whitening) -> whitened advantages."""
+    """Scores -> per-token rewards -> advantages and returns (before whitening) -> whitened advantages.
+
+    Critic-free estimators put the baseline-adjusted score (``baseline_scores``) where the score goes and take
+    the returns-to-go as advantages; ``rewards`` (and ``ppo/rewards/mean``) keep the plain score either way.
+    """
     mask = rollout.response_mask
     scores = shape_scores(raw_scores, rollout.stopped, config.reward.missing_stop_penalty, config.reward.clip)
     if config.reward.normalize:
         moments.update(scores)
         scores = moments.normalise(scores)
     kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator)
-    rewards = token_rewards(scores, kl, kl_coef if config.kl.placement == "reward" else 0.0, mask)
+    penalty_coef = kl_coef if config.kl.placement == "reward" else 0.0
+    rewards = token_rewards(scores, kl, penalty_coef, mask)
     if config.advantage == "gae":
         advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
-    else:
+    elif config.advantage == "sequence":
         advantages, returns = sequence_advantages(rewards, old_values, mask)
+    else:
+        adjusted = baseline_scores(scores, config.advantage, config.samples_per_prompt, config.grpo_scale_by_std)
+        advantages = returns = returns_to_go(token_rewards(adjusted, kl, penalty_coef, mask), mask, config.gamma)
     raw_advantage_mean = float(masked_mean(advantages, mask))
     if config.whiten_advantages:
         advantages = whiten_advantages(advantages, mask)

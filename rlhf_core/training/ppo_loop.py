@@ -42,12 +42,10 @@ def _modules(models: PPOModels, config: PPOConfig) -> dict[str, torch.nn.Module]
     """What a checkpoint stores per role. Under LoRA only the adapter and heads (the frozen base weights are the
     models the run starts from), except that reference refreshes merge the adapter into the policy's base, so
     then the whole policy is stored. A reference with no weights of its own (adapter disabled) stores nothing."""
-    value = models.value_head if models.value_head is not None else models.critic
     refreshes = bool(config.ref_refresh_every)
-    modules: dict[str, torch.nn.Module] = {
-        "policy": models.policy if refreshes else trainable_view(models.policy),
-        "value": trainable_view(value),
-    }
+    modules: dict[str, torch.nn.Module] = {"policy": models.policy if refreshes else trainable_view(models.policy)}
+    if models.value_model is not None:  # critic-free estimators have none
+        modules["value"] = trainable_view(models.value_model)
     if refreshes and any(True for _ in models.reference.parameters()):
         modules["reference"] = models.reference
     return modules
@@ -84,7 +82,7 @@ def train_ppo(
     # A LoRA reference refresh restarts the adapter's moments in the torch optimizer (one process only).
     optimizer = strategy.optimizer if isinstance(strategy, LocalStrategy) else None
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
-    sampler = PromptSampler(len(prompts), config.rollout_batch_size, config.seed)
+    sampler = PromptSampler(len(prompts), config.prompts_per_update, config.seed)
     result = PPORunResult()
     found = resume_checkpoint(checkpoint_dir, clean=strategy.rank == 0) if checkpoint_dir is not None else None
     verb = "resumed"

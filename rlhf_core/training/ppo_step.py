@@ -6,6 +6,7 @@ Reads top to bottom like the algorithm: :func:`ppo_step` = :func:`collect_experi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -18,8 +19,9 @@ from rlhf_core.models.lora import AdapterDisabled
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models.roles import critic_forward, policy_forward
 from rlhf_core.ppo.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
-from rlhf_core.ppo.losses import policy_loss, ppo_objective, value_loss
-from rlhf_core.ppo.masking import masked_mean, masked_var
+from rlhf_core.ppo.aggregation import Normaliser, agg_loss
+from rlhf_core.ppo.losses import ValueLossOutput, policy_loss, ppo_objective, value_loss
+from rlhf_core.ppo.masking import masked_var
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import PPOStats, TimeStats, UpdateStats
 from rlhf_core.training.experience import Experience, PPOModels, collect_experience
@@ -54,12 +56,13 @@ def make_kl_controller(config: PPOConfig) -> KLController:
 
 
 def trainable_groups(models: PPOModels, config: PPOConfig) -> list[TrainableGroup]:
-    """The two trained models, policy first: each gets its own learning rate and gradient-norm clip."""
-    value = models.value_head if models.value_head is not None else models.critic
-    return [
-        TrainableGroup(models.policy, [p for p in models.policy.parameters() if p.requires_grad], config.learning_rate),
-        TrainableGroup(value, models.value_parameters(), config.value_learning_rate),
-    ]
+    """The trained models, policy first, then the value model when there is one: each gets its own learning rate
+    and gradient-norm clip."""
+    groups = [TrainableGroup(models.policy, [p for p in models.policy.parameters() if p.requires_grad],
+                             config.learning_rate)]
+    if models.value_model is not None:
+        groups.append(TrainableGroup(models.value_model, models.value_parameters(), config.value_learning_rate))
+    return groups
 
 
 def lr_lambda(config: PPOConfig) -> Callable[[int], float]:
@@ -95,15 +98,17 @@ def prepare_training(
     """
     factory = make_strategy or local_strategy
     strategy = factory(trainable_groups(models, config), config.weight_decay, config.max_grad_norm, lr_lambda(config))
-    policy, value = strategy.modules
-    return _with_trained(models, policy, value), strategy
+    policy, *value = strategy.modules
+    return _with_trained(models, policy, value[0] if value else None), strategy
 
 
-def _with_trained(models: PPOModels, policy: torch.nn.Module, value: torch.nn.Module) -> PPOModels:
+def _with_trained(models: PPOModels, policy: torch.nn.Module, value: torch.nn.Module | None) -> PPOModels:
     """``models`` with another policy and value model (engines, or rollout copies of them)."""
     if models.value_head is not None:
         return replace(models, policy=policy, value_head=value)
-    return replace(models, policy=policy, critic=value)
+    if models.critic is not None:
+        return replace(models, policy=policy, critic=value)
+    return replace(models, policy=policy)
 
 
 def ppo_step(
@@ -115,22 +120,26 @@ def ppo_step(
     config: PPOConfig,
     strategy: Strategy | None = None,
 ) -> PPOStats:
-    """One PPO iteration on a batch of tokenized prompts (``config.rollout_batch_size`` of them).
+    """One PPO iteration on a batch of tokenized prompts (``config.prompts_per_update`` of them, each sampled
+    ``config.samples_per_prompt`` times: ``config.rollout_batch_size`` rollouts, a prompt's replies side by side).
 
     ``strategy`` applies the gradients instead of ``optimizer`` / ``scheduler`` (see :func:`prepare_training`).
     Data-parallel, every rank passes the same prompts, generates and scores its contiguous share with its own
     sampling generator, and then holds the whole scored batch (advantages are whitened over all of it).
     """
-    if len(prompts) != config.rollout_batch_size:
-        raise ValueError(f"ppo_step got {len(prompts)} prompts; ppo.rollout_batch_size is {config.rollout_batch_size}")
+    if len(prompts) != config.prompts_per_update:
+        raise ValueError(f"ppo_step got {len(prompts)} prompts; it takes ppo.rollout_batch_size / "
+                         f"ppo.samples_per_prompt = {config.prompts_per_update}")
+    prompts = [prompt for prompt in prompts for _ in range(config.samples_per_prompt)]
     strategy = _local_if_none(strategy, optimizer, scheduler, config)
     kl_coef = state.kl_controller.coef
     gather = None
     if strategy.world_size > 1:
         gather = functools.partial(gather_scored_rollouts, strategy.all_gather, models.pad_token_id)
-    trained_value = models.value_head if models.value_head is not None else models.critic
+    trained_value = models.value_model
     # Rollouts run on modules that need no other rank (ZeRO-3: full copies for the phase; else the same modules).
-    with strategy.inference(models.policy) as policy, strategy.inference(trained_value) as value:
+    value_inference = strategy.inference(trained_value) if trained_value is not None else contextlib.nullcontext()
+    with strategy.inference(models.policy) as policy, value_inference as value:
         experience, rollout_stats, t_gen, t_score = collect_experience(
             _with_trained(models, policy, value), shard(prompts, strategy.rank, strategy.world_size, "rollout batch"),
             config, kl_coef, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
@@ -186,8 +195,11 @@ def ppo_update(
 ) -> UpdateStats:
     """``ppo_epochs`` shuffled passes of mini-batches; each mini-batch accumulates micro-batch gradients.
 
-    Data-parallel, each rank runs the micro-batches of its contiguous share of every mini-batch (the same
-    micro-batches one process would run, split between ranks) and the strategy averages the gradients.
+    Every loss term is normalised by the whole mini-batch (``ppo.loss_aggregation``, :mod:`rlhf_core.ppo.aggregation`),
+    so the micro-batches' losses add up to the mini-batch's loss: micro-batch size and process count change memory
+    and speed, never the update. Data-parallel, each rank runs the micro-batches of its contiguous share of every
+    mini-batch (the same micro-batches one process would run, split between ranks); the strategy averages the
+    gradients over ranks, so each rank's share of the sum is scaled by the number of ranks.
     """
     strategy = _local_if_none(strategy, optimizer, scheduler, config)
     if config.gradient_checkpointing:
@@ -199,27 +211,32 @@ def ppo_update(
     if config.mini_batch_size % (config.micro_batch_size * strategy.world_size):
         raise ValueError(f"ppo.mini_batch_size ({config.mini_batch_size}) must be a multiple of ppo.micro_batch_size "
                          f"x processes ({config.micro_batch_size} x {strategy.world_size})")
-    accumulation = per_rank // config.micro_batch_size
     device = experience.old_logprobs.device
     totals: dict[str, float] = {}
+    norms: dict[str, float] = {}
     n_minibatches = 0
     for _ in range(config.ppo_epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, config.mini_batch_size):
-            mini = shard(order[start : start + config.mini_batch_size], strategy.rank, strategy.world_size)
+            whole = order[start : start + config.mini_batch_size]
+            normaliser = Normaliser.of(experience.rollout.response_mask[whole.to(device)], config.loss_aggregation,
+                                       config.generation.max_new_tokens)
+            mini = shard(whole, strategy.rank, strategy.world_size)
             strategy.zero_grad()
             for micro_start in range(0, per_rank, config.micro_batch_size):
                 micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(device))
                 with autocast(config.autocast, device):
-                    loss, parts = micro_batch_loss(models, micro, config, kl_coef)
+                    loss, parts = micro_batch_loss(models, micro, config, kl_coef, normaliser)
                 refuse_non_finite(strategy, "PPO loss", float(loss.detach()), parts)
-                strategy.backward(loss / accumulation)
-                _accumulate(totals, parts, 1.0 / accumulation)
-            policy_norm, value_norm = strategy.step()
-            _accumulate(totals, {"policy_grad_norm": policy_norm, "value_grad_norm": value_norm}, 1.0)
+                strategy.backward(loss * strategy.world_size)
+                _accumulate(totals, parts, 1.0)
+            policy_norm, *value_norm = strategy.step()
+            _accumulate(norms, {"policy_grad_norm": policy_norm, "value_grad_norm": sum(value_norm)}, 1.0)
             n_minibatches += 1
-    # Each rank holds the mean over its share; the sum over ranks / ranks is the mean over the mini-batch.
-    means = {k: v / (n_minibatches * strategy.world_size) for k, v in strategy.all_sum(totals).items()}
+    # Each rank holds its share of every mini-batch's losses: summed over ranks, they are the mini-batch's.
+    # Gradient norms are the same on every rank (taken after the reduction): averaged over ranks.
+    summed = strategy.all_sum({**totals, **norms})
+    means = {k: v / (n_minibatches * (strategy.world_size if k in norms else 1)) for k, v in summed.items()}
     return UpdateStats(
         **means,
         explained_variance=explained_variance(experience.old_values, experience.returns, experience.rollout.response_mask),
@@ -228,27 +245,37 @@ def ppo_update(
 
 
 def micro_batch_loss(
-    models: PPOModels, micro: Experience, config: PPOConfig, kl_coef: float
+    models: PPOModels, micro: Experience, config: PPOConfig, kl_coef: float, normaliser: Normaliser | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Combined objective ``policy + c1 * value - c2 * entropy (+ kl_coef * KL when the KL is in the loss)``."""
+    """Combined objective ``policy + c1 * value - c2 * entropy (+ kl_coef * KL when the KL is in the loss)``: this
+    micro-batch's share of it, every term aggregated with the mini-batch's ``normaliser`` (None: the micro-batch
+    is the whole mini-batch). Without a value model (critic-free estimators) there is no value term."""
     rollout = micro.rollout
     ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     query_len = rollout.query_ids.shape[1]
+    if normaliser is None:
+        normaliser = Normaliser.of(mask, config.loss_aggregation, config.generation.max_new_tokens)
     out = policy_forward(
         models.policy, ids, attention, query_len, config.generation.temperature, models.value_head, with_entropy=True
     )
-    values = out.values if out.values is not None else critic_forward(models.critic, ids, attention, query_len)
-    pg = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, mask, config.clip_range)
-    vf = value_loss(values, micro.old_values, micro.returns, mask, config.clip_range_value)
-    entropy = masked_mean(out.entropy, mask)
+    pg = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, mask, config.clip_range, normaliser)
+    if models.value_model is not None:
+        values = out.values if out.values is not None else critic_forward(models.critic, ids, attention, query_len)
+        vf = value_loss(values, micro.old_values, micro.returns, mask, config.clip_range_value, normaliser)
+    else:
+        zero = torch.zeros((), device=out.logprobs.device)
+        vf = ValueLossOutput(zero, zero)
+    entropy = agg_loss(out.entropy, mask, normaliser)
+    with torch.no_grad():
+        entropy_per_token = agg_loss(out.entropy, mask, normaliser.per_token())
     kl_loss = None
     if config.kl.placement == "loss":
-        kl_loss = masked_mean(kl_estimate(out.logprobs, micro.ref_logprobs, config.kl.estimator), mask)
+        kl_loss = agg_loss(kl_estimate(out.logprobs, micro.ref_logprobs, config.kl.estimator), mask, normaliser)
     loss = ppo_objective(pg.loss, vf.loss, entropy, config.vf_coef, config.entropy_coef, kl_loss, kl_coef)
     parts = {
         "policy_loss": float(pg.loss.detach()),
         "value_loss": float(vf.loss.detach()),
-        "entropy": float(entropy.detach()),
+        "entropy": float(entropy_per_token),
         "clipfrac": float(pg.clipfrac),
         "value_clipfrac": float(vf.clipfrac),
         "approx_kl": float(pg.approx_kl),

@@ -99,6 +99,9 @@ PROMPTS = [[BOS] + [random.Random(i).randrange(3, VOCAB) for _ in range(2 + i % 
 PPO_CONFIG = PPOConfig(rollout_batch_size=16, mini_batch_size=8, micro_batch_size=2, ppo_epochs=2,
                        learning_rate=1e-3, value_learning_rate=1e-3, max_grad_norm=0.5, lr_schedule="linear",
                        total_updates=2, generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=8))
+DISTRIBUTED_PPO_CONFIG = replace(PPO_CONFIG, micro_batch_size=1)
+"""What the 2 processes run: micro-batches of 1 where one process runs micro-batches of 2 (a memory knob: the
+update must not change)."""
 
 
 def ppo_models(value_model: str) -> PPOModels:
@@ -122,11 +125,13 @@ def build_experience(path: Path) -> None:
         torch.save(experience, path / f"experience_{value_model}.pt")
 
 
-def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: Path) -> dict[str, Any]:
-    """One ppo_update (2 epochs x 2 mini-batches x 4 micro-batches of 2) on the saved batch."""
+def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: Path,
+               config: PPOConfig = PPO_CONFIG) -> dict[str, Any]:
+    """One ppo_update (2 epochs x 2 mini-batches of 8; in micro-batches of 2 in one process, of 1 on each of 2
+    processes) on the saved batch."""
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
-    models, strategy = prepare_training(ppo_models(value_model), PPO_CONFIG, make_strategy)
-    stats = ppo_update(models, None, None, experience, PPO_CONFIG, KL_COEF, torch.Generator().manual_seed(5), strategy)
+    models, strategy = prepare_training(ppo_models(value_model), config, make_strategy)
+    stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy)
     value = models.value_head if models.value_head is not None else models.critic
     return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, value)}
 
@@ -187,8 +192,8 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
     for name, (ds_config, value_model) in CASES.items():
         rm = DeepSpeedFactory(ds_config, micro_batch_size=-(-RM_CONFIG.batch_size // world_size))
         out[f"{name}/rm"] = train_rm(rm, lora=value_model == "lora")
-        ppo = DeepSpeedFactory(ds_config, micro_batch_size=PPO_CONFIG.micro_batch_size)
-        out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder))
+        ppo = DeepSpeedFactory(ds_config, micro_batch_size=DISTRIBUTED_PPO_CONFIG.micro_batch_size)
+        out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder), DISTRIBUTED_PPO_CONFIG)
         step = sharded_ppo_step(DeepSpeedFactory(ds_config, micro_batch_size=4), value_model)
         out[f"{name}/step"] = step["stats"]
         out[f"{name}/step_ranks"] = _all_ranks(step)
