@@ -1,8 +1,9 @@
 """The ppo-iteration stage: ``ppo.updates_per_iteration`` more PPO updates, and the policy they give.
 
 Iteration k continues iteration k-1 from the final checkpoint in its artifact (weights, optimizer, KL controller,
-prompt cursor, RNGs), so the iterations together are one continuous PPO run. While it runs, iteration k checkpoints
-into the work folder of its own key: a killed iteration resumes from there, and only an iteration with the same
+prompt cursor, RNGs; score moments restart if the reward model changed), so the iterations together are one
+continuous PPO run. While it runs, iteration k checkpoints into the work folder of its own key: a killed iteration
+resumes from there, and only an iteration with the same
 key (same config, same SFT policy, same reward model, same previous iteration, same code) ever does; a new reward
 model or SFT policy gives a new key and a fresh start from iteration k-1. The artifact holds the final checkpoint
 (``checkpoint/``), the policy in Hugging Face layout (``policy/``, plus the value model's trained weights), a sample

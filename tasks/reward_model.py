@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.evaluation.metrics import spearman
+from rlhf_core.evaluation.metrics import pairwise_agreement, spearman
 from rlhf_core.models.lm import ModelSize, build_reward_model, config_for_tokenizer
 from rlhf_core.models.roles import fuse_activations, load_reward_model, sequence_scores
 from rlhf_core.models.text import pad_id, right_pad
@@ -215,13 +215,15 @@ def _cross_metrics(proxy: PreTrainedModel, heldout: PreTrainedModel, tokenizer: 
                    pairs: Sequence[PreferencePair], max_length: int) -> tuple[dict[str, float], dict[str, list]]:
     """How far the proxy agrees with the held-out RM on the held-out pairs (unseen by the proxy).
 
-    ``rm/cross/agreement``: share of pairs both RMs order the same way; ``rm/cross/spearman``: rank
-    correlation of their scores over all replies. Also returns the proxy's scores for the histogram.
+    ``rm/cross/agreement``: share of pairs both RMs order the same way, a pair either ties counting half (the
+    accuracy tie rule); ``rm/cross/spearman``: rank correlation of their scores over all replies. Also returns the
+    proxy's scores for the histogram.
     """
     p_chosen, p_rejected = pair_scores(proxy, tokenizer, pairs, max_length)
     h_chosen, h_rejected = pair_scores(heldout, tokenizer, pairs, max_length)
-    agree = [(pc > pr) == (hc > hr) for pc, pr, hc, hr in zip(p_chosen, p_rejected, h_chosen, h_rejected)]
-    metrics = {"rm/cross/agreement": sum(agree) / len(agree),
+    p_margin = torch.tensor(p_chosen, dtype=torch.float64) - torch.tensor(p_rejected, dtype=torch.float64)
+    h_margin = torch.tensor(h_chosen, dtype=torch.float64) - torch.tensor(h_rejected, dtype=torch.float64)
+    metrics = {"rm/cross/agreement": pairwise_agreement(p_margin, h_margin),
                "rm/cross/spearman": float(spearman(p_chosen + p_rejected, h_chosen + h_rejected))}
     return metrics, {"chosen": p_chosen, "rejected": p_rejected}
 

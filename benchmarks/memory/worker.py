@@ -28,7 +28,7 @@ from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
 from rlhf_core.training.rollout import Rollout
 
-SETUPS = ("full", "lora_head", "lora_critic")
+SETUPS = ("full", "lora_head", "lora_critic", "critic_free")
 
 
 def build_models(setup: str, size: dict[str, int], lora_rank: int) -> PPOModels:
@@ -43,6 +43,8 @@ def build_models(setup: str, size: dict[str, int], lora_rank: int) -> PPOModels:
     lora = LoRAConfig(enabled=True, rank=lora_rank, alpha=2.0 * lora_rank)
     if setup == "full":
         return PPOModels(policy, make_reference(policy), scorer, (2,), 0, critic=Critic(reward_model))
+    if setup == "critic_free":  # GRPO / RLOO / REINFORCE++: no value model at all
+        return PPOModels(policy, make_reference(policy), scorer, (2,), 0)
     policy, reference = lora_policy(policy, lora)
     if setup == "lora_head":
         return PPOModels(policy, reference, scorer, (2,), 0, value_head=ValueHead(config.n_embd))
@@ -67,8 +69,9 @@ class _Scorer:
 def analytic_bytes(models: PPOModels) -> dict[str, int]:
     """Weights (each distinct tensor once: shared weights count once), gradients and AdamW's two moments of
     the trainable parameters. Activations are not included: they are what the measured RSS adds."""
-    value = models.value_head if models.value_head is not None else models.critic
-    modules = [models.policy, models.reference, models.scorer.model, value]
+    modules = [models.policy, models.reference, models.scorer.model]
+    if models.value_model is not None:
+        modules.append(models.value_model)
     seen: dict[int, torch.Tensor] = {}
     for module in modules:
         for tensor in module.parameters():
@@ -96,13 +99,15 @@ def run(setup: str, size: dict[str, int], ppo: dict[str, int], lora_rank: int) -
     config = PPOConfig(rollout_batch_size=ppo["rollout_batch_size"], mini_batch_size=ppo["mini_batch_size"],
                        micro_batch_size=ppo["micro_batch_size"], ppo_epochs=ppo["ppo_epochs"],
                        value_model="head" if setup == "lora_head" else "critic",
+                       advantage="grpo" if setup == "critic_free" else "gae",
+                       samples_per_prompt=2 if setup == "critic_free" else 1,
                        generation=GenerationConfig(max_new_tokens=ppo["max_new_tokens"],
                                                    batch_size=ppo["rollout_batch_size"]))
     rng = random.Random(0)
     vocab = size["vocab_size"]
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(ppo["prompt_tokens"] // 2,
                                                                            ppo["prompt_tokens"] - 1))]
-               for _ in range(config.rollout_batch_size)]
+               for _ in range(config.prompts_per_update)]
     optimizer, scheduler = make_optimizer(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     started = time.perf_counter()

@@ -100,8 +100,39 @@ def mean_repetition_rate(texts: Sequence[str], n: int = 3) -> float:
 # --- comparisons and summaries ------------------------------------------------------------------------
 
 
+def pairwise_wins(better: torch.Tensor, worse: torch.Tensor) -> torch.Tensor:
+    """THE tie rule of every pairwise accuracy and win rate here: 1 where ``better > worse``, 0.5 on a tie, 0 where
+    ``better < worse``. (N,), (N,) -> (N,) float32.
+
+    A tie is half right (the usual convention for pairwise accuracy): a model that scores everything the same is
+    at 0.5, chance, not at 0 (ties wrong) or 1 (ties right).
+    """
+    return (better > worse).float() + 0.5 * (better == worse).float()
+
+
+def pairwise_accuracy(better: torch.Tensor, worse: torch.Tensor) -> float:
+    """Mean of :func:`pairwise_wins`: ``(#(better_i > worse_i) + 0.5 * #(better_i == worse_i)) / N``. (N,), (N,).
+
+    Reward-model accuracy is ``pairwise_accuracy(s_chosen, s_rejected)``.
+    """
+    if better.shape != worse.shape or better.ndim != 1 or better.numel() == 0:
+        raise ValueError(f"pairwise_accuracy needs two equally long, non-empty 1-D score tensors, got shapes "
+                         f"{tuple(better.shape)} and {tuple(worse.shape)}")
+    return float(pairwise_wins(better, worse).mean())
+
+
+def pairwise_agreement(margins_a: torch.Tensor, margins_b: torch.Tensor) -> float:
+    """Share of pairs two judges order the same way, a pair that either of them ties counting half. (N,), (N,).
+
+    ``margins_*`` are ``s_chosen - s_rejected`` of each judge: the accuracy of judge a against judge b's
+    orderings as labels (:func:`pairwise_wins` on ``margin_a * sign(margin_b)`` against 0).
+    """
+    oriented = margins_a * torch.sign(margins_b)
+    return pairwise_accuracy(oriented, torch.zeros_like(oriented))
+
+
 def win_rate(scores_a: Sequence[float], scores_b: Sequence[float]) -> float:
-    """Paired win rate of a over b: ``(#(a_i > b_i) + 0.5 * #(a_i == b_i)) / N``.
+    """Paired win rate of a over b: ``(#(a_i > b_i) + 0.5 * #(a_i == b_i)) / N`` (:func:`pairwise_accuracy`).
 
     ``scores_a[i]`` and ``scores_b[i]`` must judge replies to the same prompt i.
     """
@@ -111,7 +142,7 @@ def win_rate(scores_a: Sequence[float], scores_b: Sequence[float]) -> float:
             f"win_rate needs two equally long, non-empty 1-D score lists (one per prompt), got shapes "
             f"{a.shape} and {b.shape}"
         )
-    return float(((a > b).sum() + 0.5 * (a == b).sum()) / a.size)
+    return pairwise_accuracy(torch.from_numpy(a), torch.from_numpy(b))
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:

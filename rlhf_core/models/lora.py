@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf_core.config import LoRAConfig
-from rlhf_core.models.roles import disable_dropout, split_classifier
+from rlhf_core.models.roles import as_input_of, disable_dropout, keep_in_float32, split_classifier
 from rlhf_core.training.rollout import positions_from_mask
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -66,7 +66,8 @@ def add_adapter(model: nn.Module, config: LoRAConfig, seed: int = 0, exclude: tu
     Calling ``model`` itself afterwards runs the adapter too; the returned :class:`PeftModel` is the handle
     that disables or merges it. ``A`` is drawn from its own generator seeded with ``seed`` (not the global
     RNG), so a rerun whose earlier stages came from cache builds the same adapter; ``B`` is 0. ``exclude``
-    names layers never adapted (a classifier head that trains in full).
+    names layers never adapted (a classifier head that trains in full). ``A`` and ``B`` are float32 whatever the
+    base weights' dtype (peft's ``autocast_adapter_dtype``; see ``roles.keep_in_float32`` for why).
     """
     targets = target_modules(model, config)
     peft_config = LoraConfig(
@@ -81,7 +82,7 @@ def add_adapter(model: nn.Module, config: LoRAConfig, seed: int = 0, exclude: tu
     )
     try:
         with torch.random.fork_rng(devices=[]):  # peft draws A from the global RNG; keep that untouched
-            wrapped = get_peft_model(model, peft_config)
+            wrapped = get_peft_model(model, peft_config, autocast_adapter_dtype=True)
     except ValueError as err:
         raise ValueError(
             f"lora.target_modules={targets} fit no layer of {type(model).__name__} ({err}); choose from its "
@@ -184,7 +185,8 @@ class LoRACritic(nn.Module):
     """Value model = the reward model + a LoRA adapter on its backbone + a trainable copy of its score head.
 
     The reward model's weights are shared with the scorer (one frozen copy); only the adapter and the head
-    (hidden_size + 1 numbers) train. Same call signature as :class:`rlhf_core.models.roles.Critic`.
+    (hidden_size + 1 numbers) train, both in float32 whatever the reward model's dtype. Same call signature as
+    :class:`rlhf_core.models.roles.Critic`.
     """
 
     def __init__(self, reward_model: PreTrainedModel, config: LoRAConfig, seed: int = 0) -> None:
@@ -192,21 +194,22 @@ class LoRACritic(nn.Module):
         backbone, head = split_classifier(reward_model)
         reward_model.requires_grad_(False)
         self.backbone = add_adapter(disable_dropout(shared_weights_copy(backbone)), config, seed)
-        self.head = copy.deepcopy(head).requires_grad_(True)
+        self.head = keep_in_float32(copy.deepcopy(head)).requires_grad_(True)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, T) -> per-token values (B, T)."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
         ).last_hidden_state  # (B, T, H)
-        return self.head(hidden).squeeze(-1).float()
+        return self.head(as_input_of(self.head, hidden)).squeeze(-1).float()
 
 
 # --------------------------------------------------------------------------------------------- training, saving
 
 
 def add_training_adapter(model: PreTrainedModel, config: LoRAConfig, seed: int = 0) -> PeftModel:
-    """Reward-model training: an adapter on ``model`` (in place) with the score head fully trainable."""
+    """Reward-model training: an adapter on ``model`` (in place) with the score head fully trainable (the caller
+    holds it in float32: ``reward_training.train_reward_model``)."""
     _, head = split_classifier(model)
     head_names = [name for name, module in model.named_modules() if module is head]
     wrapped = add_adapter(model, config, seed, exclude=tuple(head_names))

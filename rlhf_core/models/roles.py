@@ -45,6 +45,23 @@ def fuse_activations(model: nn.Module) -> nn.Module:
     return model
 
 
+def keep_in_float32(module: nn.Module) -> nn.Module:
+    """Hold ``module``'s weights in float32, in place, whatever dtype the model around it was loaded in.
+
+    For what trains on a half-precision base: value and score heads (LoRA's A and B are upcast by peft,
+    ``lora.add_adapter``). bf16 keeps 8 significant bits, so an Adam step of ~lr = 5e-5 on a weight with
+    |w| >= 2^-6 is under half the spacing between bf16 numbers there and rounds away: the head never moves.
+    Its forward casts its input to the weight's dtype (:func:`as_input_of`); under bf16 autocast the matmul
+    still runs in bf16, and only the stored weight (and so the update) keeps full precision.
+    """
+    return module.float()
+
+
+def as_input_of(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the dtype of ``head``'s weight: a float32 head on a bf16 backbone without autocast."""
+    return hidden.to(head.weight.dtype)
+
+
 def freeze(model: nn.Module) -> nn.Module:
     """Eval mode, no gradients, no dropout: for the reference and reward models."""
     model.eval()
@@ -93,7 +110,7 @@ def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     """Score head applied at every position of a sequence classifier. (B, T), (B, T) -> (B, T)."""
     backbone, head = split_classifier(model)
     hidden = padded_forward(backbone, input_ids, attention_mask).last_hidden_state  # (B, T, H), padding skipped
-    return head(hidden).squeeze(-1).float()
+    return head(as_input_of(head, hidden)).squeeze(-1).float()
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -108,7 +125,8 @@ def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
 
 
 class ValueHead(nn.Module):
-    """A linear value head on the policy's last hidden state, initialised near zero.
+    """A linear value head on the policy's last hidden state, initialised near zero, in float32 whatever the
+    policy's dtype (:func:`keep_in_float32`; move it with ``.to(device)``, not ``.to(dtype)``).
 
     The initial weights come from their own seeded generator, not the global RNG: a resumed pipeline whose
     earlier stages came from cache (and so consumed no random numbers) must build the same head.
@@ -125,16 +143,21 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T)."""
-        return self.summary(hidden).squeeze(-1).float()
+        return self.summary(as_input_of(self.summary, hidden)).squeeze(-1).float()
 
 
 class Critic(nn.Module):
-    """A separate value model: a reward model's backbone and score head, applied at every token."""
+    """A separate value model: a reward model's backbone and score head, applied at every token.
+
+    The whole copy trains; its score head is held in float32 (:func:`keep_in_float32`), the backbone in the
+    reward model's dtype.
+    """
 
     def __init__(self, reward_model: PreTrainedModel) -> None:
         super().__init__()
         self.model = disable_dropout(copy.deepcopy(reward_model))
         self.model.requires_grad_(True)
+        keep_in_float32(split_classifier(self.model)[1])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, T) -> per-token values (B, T)."""

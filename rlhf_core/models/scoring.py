@@ -5,10 +5,12 @@ Every scorer maps a :class:`Rollout` to one score per sequence, shape (B,).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.models.roles import sequence_scores
@@ -17,9 +19,39 @@ from rlhf_core.training.rollout import Rollout
 
 
 class Scorer(Protocol):
-    """Anything that scores a batch of rollouts: (B, ...) -> (B,)."""
+    """Anything that scores a batch of rollouts: (B, ...) -> (B,).
+
+    A scorer may also have ``identity() -> str``: the same for two scorers that score alike, different when they
+    do not (:func:`scorer_identity`). Statistics estimated from its scores (the normalisation moments) are kept
+    only while the identity stays the same.
+    """
 
     def __call__(self, rollout: Rollout) -> torch.Tensor: ...
+
+
+def scorer_identity(scorer: Scorer) -> str | None:
+    """``scorer.identity()``, or None for a scorer that has none (then nothing can tell whether it changed)."""
+    identity = getattr(scorer, "identity", None)
+    return identity() if callable(identity) else None
+
+
+#: Values hashed per tensor by :func:`weights_digest`.
+DIGEST_SAMPLE = 4096
+
+
+def weights_digest(model: nn.Module, sample: int = DIGEST_SAMPLE) -> str:
+    """A short digest of a model's weights: every parameter's name, shape, dtype and first ``sample`` values.
+
+    Cheap on a large model on a GPU (a few KB per tensor leave the device) and enough to tell two trained
+    reward models apart: training moves the score head and every adapted or fine-tuned matrix, and a merged
+    LoRA update is dense. The same weights give the same digest on any device and in any process.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        head = param.detach().reshape(-1)[:sample].contiguous().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+        digest.update(head.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def decode_rollout(rollout: Rollout, tokenizer: PreTrainedTokenizerBase) -> tuple[list[str], list[str]]:
@@ -54,6 +86,13 @@ class RewardModelScorer:
         self.retokenize = not same_vocabulary(policy_tokenizer, self.rm_tokenizer)
         self.max_length = max_length
         self.batch_size = batch_size
+        self._identity: str | None = None
+
+    def identity(self) -> str:
+        """The reward model's :func:`weights_digest` (the weights are frozen: computed once)."""
+        if self._identity is None:
+            self._identity = f"rm:{weights_digest(self.model)}"
+        return self._identity
 
     @torch.no_grad()
     def __call__(self, rollout: Rollout) -> torch.Tensor:
@@ -104,3 +143,10 @@ class WeightedSum:
 
     def __call__(self, rollout: Rollout) -> torch.Tensor:
         return sum(weight * scorer(rollout).float() for scorer, weight in self.parts)
+
+    def identity(self) -> str | None:
+        """The parts' identities and weights; None when a part has no identity."""
+        parts = [(scorer_identity(scorer), weight) for scorer, weight in self.parts]
+        if any(identity is None for identity, _ in parts):
+            return None
+        return "sum(" + ", ".join(f"{weight!r}*{identity}" for identity, weight in parts) + ")"

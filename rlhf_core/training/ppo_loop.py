@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.models.scoring import scorer_identity
+from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import PPOStats
 from rlhf_core.training.checkpoint import load_weights, resume_checkpoint, trainable_view
 from rlhf_core.training.checkpoint_integrity import CheckpointError, verify_checkpoint
@@ -73,7 +75,9 @@ def train_ppo(
     A run killed at any point and started again with the same arguments ends with the same weights and
     metrics as an uninterrupted one (same seed, same device), because the optimizer, scheduler, KL
     controller, score statistics, sampler cursor and every RNG are restored. With a ``checkpoint_dir``
-    the last step is always checkpointed, whatever ``checkpoint_every`` says.
+    the last step is always checkpointed, whatever ``checkpoint_every`` says. The score statistics
+    (``reward.normalize``) restart instead when the scorer is not the one they were estimated with (a promoted
+    reward-model refresh between two iterations): :func:`restore_score_moments`.
 
     ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.zero.DeepSpeedFactory``: ZeRO over
     several processes, each calling ``train_ppo`` with the same arguments); None = AdamW in this process.
@@ -91,7 +95,7 @@ def train_ppo(
         _verify_init_from(found)
     if found is not None:
         saved = strategy.load_checkpoint(found, _modules(models, config), state.generator)
-        _restore(saved, state, sampler, result)
+        _restore(saved, state, sampler, result, scorer_identity(models.scorer))
         log.info("%s PPO from %s (step %d)", verb, found, state.step)
     started, first_step = time.monotonic(), state.step
     last_saved = found
@@ -116,7 +120,7 @@ def train_ppo(
         if checkpoint_dir is not None and (periodic or state.step == n_updates):
             last_saved = strategy.save_checkpoint(
                 checkpoint_dir, state.step, _modules(models, config), state.generator,
-                _snapshot(state, sampler, result),
+                _snapshot(state, sampler, result, scorer_identity(models.scorer)),
             )
     return result
 
@@ -139,23 +143,46 @@ def _verify_init_from(path: Path) -> None:
         raise CheckpointError(f"cannot continue PPO from {path}: {error}; rerun the iteration that wrote it") from None
 
 
-def _snapshot(state: PPOState, sampler: PromptSampler, result: PPORunResult) -> dict[str, Any]:
+def _snapshot(state: PPOState, sampler: PromptSampler, result: PPORunResult, scorer: str | None) -> dict[str, Any]:
     """The loop's JSON state; the strategy adds its LR schedule (and writes the optimizer) when saving."""
     return {
         "kl_controller": state.kl_controller.state_dict(),
         "score_moments": state.score_moments.state_dict(),
+        "score_moments_scorer": scorer,
         "sampler": sampler.state_dict(),
         "history": result.history,
     }
 
 
-def _restore(saved: dict[str, Any], state: PPOState, sampler: PromptSampler, result: PPORunResult) -> None:
+def _restore(saved: dict[str, Any], state: PPOState, sampler: PromptSampler, result: PPORunResult,
+             scorer: str | None) -> None:
     state.step = int(saved["step"])
     state.kl_controller.load_state_dict(saved["kl_controller"])
-    state.score_moments.load_state_dict(saved["score_moments"])
+    restore_score_moments(saved, state.score_moments, scorer)
     sampler.load_state_dict(saved["sampler"])
     result.history = list(saved["history"])
     result.resumed_from_step = state.step
+
+
+def restore_score_moments(saved: dict[str, Any], moments: RunningMoments, scorer: str | None) -> bool:
+    """Load a checkpoint's score moments into ``moments`` unless another scorer's scores estimated them.
+
+    ``scorer`` is the :func:`~rlhf_core.models.scoring.scorer_identity` of this run's scorer; the checkpoint
+    records the one its moments came from (``score_moments_scorer``). A new reward model scores on its own scale
+    (old ~N(0, 1), new ~N(5, 3)), so the old moments would shift and scale its scores wrongly for many batches:
+    the moments start fresh and the first batch normalises by its own statistics. When either identity is unknown
+    (a scorer without one, a checkpoint written before they were recorded) the moments are kept. Returns whether
+    they were loaded.
+    """
+    estimated_with = saved.get("score_moments_scorer")
+    if scorer is not None and estimated_with is not None and estimated_with != scorer:
+        old = saved["score_moments"]
+        log.info("score normalisation restarts: the checkpoint's moments (mean %.3f, var %.3f over %d scores) "
+                 "come from another reward model (%s, now %s)", old["mean"], old["var"], old["count"],
+                 estimated_with, scorer)
+        return False
+    moments.load_state_dict(saved["score_moments"])
+    return True
 
 
 def _log_progress(step: int, total: int, first_step: int, started: float, metrics: dict[str, float]) -> None:

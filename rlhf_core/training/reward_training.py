@@ -14,9 +14,10 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_wins
 from rlhf_core.models.lora import add_training_adapter, merge_adapter
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
-from rlhf_core.models.roles import disable_dropout, sequence_scores
+from rlhf_core.models.roles import disable_dropout, keep_in_float32, sequence_scores, split_classifier
 from rlhf_core.models.text import encode_pair, keep_tail, pad_id, right_pad
 from rlhf_core.ppo.losses import bradley_terry_loss
 from rlhf_core.training.guards import NonFiniteError, refuse_non_finite, require_finite_weights
@@ -67,7 +68,7 @@ class RewardEval:
 
     loss: float
     accuracy: float
-    """Fraction of pairs with s_chosen > s_rejected (ties count half)."""
+    """Fraction of pairs with s_chosen > s_rejected, ties counting half (``metrics.pairwise_accuracy``)."""
     margin_mean: float
     """Mean of s_chosen - s_rejected."""
     score_mean: float
@@ -142,7 +143,7 @@ def evaluate_reward_model(
     both = torch.cat([chosen, rejected])
     return RewardEval(
         loss=float(bradley_terry_loss(chosen, rejected)),
-        accuracy=float(((diff > 0).float() + 0.5 * (diff == 0).float()).mean()),
+        accuracy=pairwise_accuracy(chosen, rejected),
         margin_mean=float(diff.mean()),
         score_mean=float(both.mean()),
         score_std=float(both.std(unbiased=False)),
@@ -175,6 +176,9 @@ def train_reward_model(
     started = time.monotonic()
     torch.manual_seed(config.seed)
     disable_dropout(model).train()
+    _, head = split_classifier(model)
+    dtype = head.weight.dtype
+    keep_in_float32(head)  # in bf16 its small updates would round away; back to the model's dtype at the end
     adapter = add_training_adapter(model, config.lora, config.seed) if config.lora.enabled else None
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -226,6 +230,7 @@ def train_reward_model(
         result.evals.append((step, best.evaluation))  # final_eval describes the weights returned
     if adapter is not None:
         merge_adapter(adapter)  # a plain classifier again, which the caller saves and scores as before
+    head.to(dtype)  # one dtype, the model's, as it is saved and loaded again
     model.eval()
     require_finite_weights({"reward model": model})  # nothing non-finite is saved, registered or scores
     result.seconds = time.monotonic() - started
@@ -278,7 +283,7 @@ def _train_step(
     strategy.backward(loss * weight)
     (grad_norm,) = strategy.step()
     n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing
-    correct = float((chosen > rejected).float().sum()) if n else 0.0
+    correct = float(pairwise_wins(chosen, rejected).sum()) if n else 0.0
     sums = strategy.all_sum({"loss": float(loss.detach()) * n, "correct": correct, "n": n})
     return {"rm/train/loss": sums["loss"] / sums["n"], "rm/train/accuracy": sums["correct"] / sums["n"],
             "rm/train/grad_norm": grad_norm}

@@ -27,7 +27,8 @@ def test_memory_benchmark_smoke(tmp_path: Path) -> None:
     assert result["smoke"] and {"cpu_model", "logical_cores", "ram_gib"} <= set(result["machine"])
     summary = result["summary"]
     full, head, critic = summary["full"], summary["lora_head"], summary["lora_critic"]
-    for setup in (full, head, critic):
+    free = summary["critic_free"]
+    for setup in (full, head, critic, free):
         assert setup["peak_rss_mib"] >= setup["rss_after_imports_mib"] > 0
         # AdamW keeps two float32 moments per trainable parameter: the analytic count is what torch allocated
         assert setup["measured_optimizer_state_mib"] == pytest.approx(setup["analytic_mib"]["optimizer_state"])
@@ -36,5 +37,8 @@ def test_memory_benchmark_smoke(tmp_path: Path) -> None:
     # one copy of the policy's base and one of the reward model's, however many roles use them
     assert head["parameters_distinct"] < 0.6 * full["parameters_distinct"]
     assert critic["parameters_trainable"] < 0.5 * full["parameters_trainable"]
+    # a critic-free estimator builds no value model: three models, the policy alone trained
+    assert free["parameters_distinct"] == pytest.approx(0.75 * full["parameters_distinct"], rel=1e-3)
+    assert free["parameters_trainable"] == pytest.approx(0.5 * full["parameters_trainable"], rel=1e-3)
     ratios = result["ratio_over_full"]
     assert ratios["lora_head"]["analytic_total"] < 0.6 and ratios["lora_critic"]["analytic_total"] < 0.6

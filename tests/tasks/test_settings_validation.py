@@ -148,6 +148,17 @@ def test_bf16_autocast_over_float16_weights_is_refused() -> None:
     assert _refusal(["ppo.autocast=bf16", "dtype=float16"]).startswith("ppo.autocast='bf16' with dtype='float16'")
 
 
+@pytest.mark.parametrize("overrides", [
+    ["dtype=bfloat16", "ppo.value_model=head", "ppo.autocast=none"],
+    ["dtype=bfloat16", "ppo.value_model=critic", "ppo.lora.enabled=true", "ppo.autocast=none"],
+    ["dtype=bfloat16", "ppo.autocast=bf16", "reward_model.training.autocast=none"],
+])
+def test_bf16_weights_with_float32_heads_are_accepted(overrides: list[str]) -> None:
+    """Heads and adapters train in float32 on bf16 weights, with or without autocast
+    (tests/behaviour/test_precision.py runs these): nothing to refuse."""
+    assert resolve_config(None, "tiny", overrides).dtype == "bfloat16"
+
+
 def test_a_reply_longer_than_the_model_is_refused() -> None:
     message = _refusal(["ppo.generation.max_new_tokens=100000"])
     assert "'ppo.generation.max_new_tokens'" in message and "128 positions of model_size 'tiny'" in message

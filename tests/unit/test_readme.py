@@ -25,12 +25,14 @@ EXAMPLES = sorted(set(re.findall(r"`((?:[a-z_]+\.)+[a-z_]+=[^`\s]+)`", README)) 
 
 #: Settings the README shows next to an example that needs them.
 COMPANIONS = {"refresh.labels_file": ["refresh.annotator=file"],
-              "distributed.num_processes": ["distributed.deepspeed_config=infra/deepspeed/zero2.json"]}
+              "distributed.num_processes": ["distributed.deepspeed_config=infra/deepspeed/zero2.json"],
+              "ppo.advantage=grpo": ["ppo.samples_per_prompt=4"], "ppo.advantage=rloo": ["ppo.samples_per_prompt=4"],
+              "ppo.kl.placement": ["ppo.kl.estimator=k3"]}
 
 
 @pytest.mark.parametrize("override", EXAMPLES)
 def test_every_config_example_in_the_readme_loads(override: str):
-    companions = next((c for key, c in COMPANIONS.items() if override.startswith(key + "=")), [])
+    companions = next((c for key, c in COMPANIONS.items() if override == key or override.startswith(key + "=")), [])
     load_config(None, "tiny", [*companions, override])
 
 
