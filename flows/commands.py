@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 DEFAULT_STATE_DIR = ".rlhf_state"
 SERVER_FILE = "server.json"
 EXIT_FAILED = 1
-STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh")
+STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh", "dpo")
 ITERATED = ("ppo-iteration", "heldout-eval", "rm-refresh")
+#: Stages only one training method runs (``method``): asking to recompute one in a run of the other is refused.
+METHOD_STAGES = {"ppo-iteration": "ppo", "rm-refresh": "ppo", "dpo": "dpo"}
 
 
 def prepare_environment(state_dir: str) -> None:
@@ -303,12 +305,26 @@ def _rerun_stage(args: argparse.Namespace) -> int:
                           "ppo-iteration-2")
     store, record = _load(args.state_dir, args.run)
     store.refuse_if_held(record.run_id)
+    _refuse_other_method(store, record.run_id, name)
     with store.hold(record.run_id, f"rlhf stage {name}") as run:
         run.record.reruns[name] = run.record.reruns.get(name, 0) + 1
         run.save()
     print(f"recomputing {name} of run {record.run_id}: it gets a new artifact key, so every later stage that depends "
           "on it reruns too (a PPO iteration starts fresh from the previous one)", flush=True)
     return _execute(store, record.run_id)
+
+
+def _refuse_other_method(store: RunStore, run_id: str, name: str) -> None:
+    """ConfigError when stage ``name`` belongs to the training method this run does not use (``method``)."""
+    from tasks.config import ConfigError, load_config
+
+    stage = re.sub(r"-[0-9]+$", "", name)
+    method = load_config(store.config_file(run_id)).method
+    wanted = METHOD_STAGES.get(stage, method)
+    if wanted != method:
+        raise ConfigError(f"run {run_id} trains with method={method}, which has no {stage} stage; recompute one of its "
+                          f"own stages, or start a run with method={wanted} (it reuses this run's data-prep, sft, "
+                          "reward-model and best-of-n)")
 
 
 def _list_runs(args: argparse.Namespace) -> int:

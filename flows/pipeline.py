@@ -1,5 +1,5 @@
 """The RLHF pipeline flow: data-prep -> sft -> reward-model -> best-of-n -> (ppo-iteration -> heldout-eval ->
-[rm-refresh]) x N.
+[rm-refresh]) x N; with ``method: dpo`` the offline dpo stage and one heldout-eval instead of the PPO loop.
 
 One run has one id everywhere: the Prefect flow run's name, the MLflow parent run's tag, the lineage tags of the
 model versions it registers, its record in the state folder. ``rlhf run`` creates the run and passes its id; a
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -28,10 +29,11 @@ from prefect.runtime import flow_run as current_flow_run
 
 from flows.logs import run_logging
 from flows.summary import build_summary, running_markdown, summary_markdown
-from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft, tracking
+from tasks import best_of_n, data_prep, dpo, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft, tracking
 from tasks.config import PipelineConfig, changed_settings, load_config, resolve_config
 from tasks.run_store import ActiveRun, Artifact, RunStore, new_run_id
 from tasks.run_store.keys import code_version
+from tasks.runtime import ModelInput
 from tasks.stage import Runner
 from tasks.tracking import configure_tracking, keep_credentials_out, log_file, pipeline_run
 from tasks.typed_yaml import dump_config_text, flatten_for_params
@@ -52,16 +54,14 @@ class Outcome:
     ppo: list[Artifact] = field(default_factory=list)
     evals: list[Artifact] = field(default_factory=list)
     refreshes: list[Artifact] = field(default_factory=list)
+    dpo: Artifact | None = None
+    """The dpo stage's artifact (``method: dpo``; its evaluation is ``evals[0]``)."""
 
 
 def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
     """Every stage of the pipeline, each a Prefect task run named by its label (and failed by Prefect when it
     runs past ``orchestration.stage_timeout_minutes``)."""
-    limit = config.orchestration.stage_timeout_minutes
-
-    def timed(stage_task: Task) -> Task:
-        return stage_task.with_options(timeout_seconds=limit * 60) if limit else stage_task
-
+    timed = _timed(config)
     data = timed(data_prep.data_prep_task)("data-prep", data_prep.Config.of(config), data_prep.Inputs(), runner)
     sft_art = timed(sft.sft_task)("sft", sft.Config.of(config), sft.Inputs(data), runner)
     reference = sft.model_input(sft_art)
@@ -72,6 +72,8 @@ def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
     baseline = timed(best_of_n.best_of_n_task)("best-of-n", best_of_n.Config.of(config),
                                                best_of_n.Inputs(data, reference, proxy, heldout), runner)
     outcome = Outcome(data, sft_art, rm_art, baseline)
+    if config.method == "dpo":
+        return run_dpo(config, runner, outcome, reference, proxy, heldout)
     rm_generation, previous = 0, None
     for k in range(1, config.ppo.iterations + 1):
         ppo = timed(ppo_iteration.ppo_iteration_task)(
@@ -96,6 +98,28 @@ def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
                 proxy, rm_generation = rm_refresh.model_input(refreshed), rm_generation + 1
         previous = ppo
     return outcome
+
+
+def run_dpo(config: PipelineConfig, runner: Runner, outcome: Outcome, reference: ModelInput, proxy: ModelInput,
+            heldout: ModelInput) -> Outcome:
+    """The offline method: dpo on the reward-model training pairs, then the heldout-eval a PPO iteration's policy
+    gets (as iteration 1: the hacking detector, the best-of-n baseline, promotion to champion). No rm-refresh: DPO
+    never samples from the policy, so there are no fresh replies to label and no later iteration to train."""
+    timed = _timed(config)
+    trained = timed(dpo.dpo_task)("dpo", dpo.Config.of(config), dpo.Inputs(outcome.data, reference), runner)
+    evaluation = timed(heldout_eval.heldout_eval_task)(
+        "heldout-eval-1", heldout_eval.Config.of(config, 1, 0),
+        heldout_eval.Inputs(outcome.data, dpo.model_input(trained), reference, proxy, heldout, outcome.best_of_n),
+        runner)
+    outcome.dpo = trained
+    outcome.evals.append(evaluation)
+    return outcome
+
+
+def _timed(config: PipelineConfig) -> Callable[[Task], Task]:
+    """A stage task failed by Prefect when it runs past ``orchestration.stage_timeout_minutes`` (if set)."""
+    limit = config.orchestration.stage_timeout_minutes
+    return lambda stage_task: stage_task.with_options(timeout_seconds=limit * 60) if limit else stage_task
 
 
 def should_refresh(config: PipelineConfig, iteration: int, status: str) -> bool:

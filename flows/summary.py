@@ -44,6 +44,7 @@ def build_summary(config: PipelineConfig, outcome: Outcome, record: RunRecord) -
     return {
         "name": config.name,
         "seed": config.seed,
+        "method": config.method,
         "policies": {"sft": _policy_row(last.metrics, 1), "final": _policy_row(last.metrics, 0)},
         "status": last.status,
         "reasons": list(last.reasons),
@@ -53,6 +54,7 @@ def build_summary(config: PipelineConfig, outcome: Outcome, record: RunRecord) -
         "refreshes": refreshes,
         "reward_model": dict(outcome.reward_model.result["metrics"]),
         "sft": dict(outcome.sft.result["metrics"]),
+        **({"dpo": dict(outcome.dpo.result["metrics"])} if outcome.dpo is not None else {}),
         "data": dict(outcome.data.result["metrics"]),
         "models": models,
         "artifacts": {label: {"artifact": f"{entry.stage}/{entry.key}", "cached_from": entry.cached_from}
@@ -67,6 +69,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for name, row in summary["policies"].items():
         cells = "".join(f"{row[c]:>10.3f}" if row.get(c) is not None else f"{'-':>10}" for c in columns)
         lines.append(f"{name:<8}{cells}")
+    if summary.get("dpo"):
+        lines.append(dpo_line(summary["dpo"]))
     lines += [refresh_line(r) for r in summary.get("refreshes", [])]
     lines.append(f"status: {summary['status']}" + (f" ({'; '.join(summary['reasons'])})" if summary["reasons"] else ""))
     cached = [label for label, a in summary.get("artifacts", {}).items() if a.get("cached_from")]
@@ -86,6 +90,16 @@ def refresh_line(refresh: dict[str, Any]) -> str:
     gold = f" (gold-judged {change('onpolicy_gold')})" if "refresh/onpolicy_gold_accuracy_after" in refresh else ""
     return (f"rm-refresh after iteration {refresh.get('iteration', '?')}: on-policy accuracy {change('onpolicy')}{gold}, "
             f"held-out {change('heldout')}, {'promoted' if refresh['promoted'] else 'not promoted'}")
+
+
+def dpo_line(metrics: dict[str, float]) -> str:
+    """``final policy: dpo, N steps; implicit-reward accuracy on held-out pairs a -> b, on training pairs c``."""
+    def value(key: str) -> str:
+        return f"{metrics[key]:.3f}" if key in metrics else "-"
+
+    return (f"final policy: dpo, {int(metrics.get('dpo/steps', 0))} steps; implicit-reward accuracy on held-out pairs "
+            f"{value('dpo/eval_initial/rewards/accuracy')} -> {value('dpo/eval/rewards/accuracy')}, on training pairs "
+            f"{value('dpo/train_eval/rewards/accuracy')}")
 
 
 def running_markdown(run_id: str, preset: str | None, changes: dict[str, str]) -> str:
@@ -111,6 +125,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         cells = [f"{row[c]:.3f}" if row.get(c) is not None else "-" for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
+    if summary.get("dpo"):
+        lines.append(f"- {dpo_line(summary['dpo'])}")
     lines += [f"- {refresh_line(r)}" for r in summary.get("refreshes", [])]
     lines.append(f"- final policy promoted to champion: {summary['promoted']}")
     cached = {label: a["cached_from"] for label, a in summary.get("artifacts", {}).items() if a.get("cached_from")}

@@ -26,6 +26,7 @@ from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
 from rlhf_core.ranges import Count, Fraction, NonNegative, Positive, PositiveInt, Range, check_ranges
+from rlhf_core.training.dpo import DPOConfig
 from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
 from tasks.typed_yaml import (ConfigError, build, derived, flatten_for_params, merge_layer, one_line, parse_override,
@@ -115,6 +116,19 @@ class PPOSection(PPOConfig):
         check_ranges(self, "ppo")  # before the parent's rules divide by them
         super().__post_init__()
         object.__setattr__(self, "total_updates", self.iterations * self.updates_per_iteration)
+
+
+@dataclass(frozen=True)
+class DPOSection(DPOConfig):
+    """The dpo stage (``method: dpo``): DPO or IPO on the reward-model training pairs, the policy starting from the
+    SFT policy and held to the SFT policy as its frozen reference (``rlhf_core.training.dpo``)."""
+
+    checkpoint_every: Annotated[int, Range(ge=0, note='0 = none')] = 50
+    """Save a resumable checkpoint every this many steps inside the stage (0 = none: a failed attempt starts over)."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "dpo")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
@@ -287,6 +301,11 @@ class PipelineConfig:
     """Torch device for training: 'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weight dtype of the loaded models (bfloat16 for large models on GPUs)."""
+    method: Literal["ppo", "dpo"] = "ppo"
+    """How the policy is trained after the reward model: 'ppo' = the online loop (ppo-iteration -> heldout-eval ->
+    [rm-refresh]) x ppo.iterations, whose estimator ``ppo.advantage`` picks; 'dpo' = the offline dpo stage on the
+    reward-model training pairs (``dpo.*``), then one heldout-eval. Both are judged the same way (held-out RM, gold,
+    hacking detector, best-of-n baseline), so runs that differ only here compare in MLflow."""
     data: DataSection = field(default_factory=DataSection)
     """Data source and preparation."""
     sft: SFTSection = field(default_factory=SFTSection)
@@ -295,6 +314,8 @@ class PipelineConfig:
     """Proxy and held-out reward models."""
     ppo: PPOSection = field(default_factory=PPOSection)
     """PPO outer loop and hyperparameters."""
+    dpo: DPOSection = field(default_factory=DPOSection)
+    """DPO / IPO hyperparameters (read only with ``method: dpo``)."""
     eval: EvalSection = field(default_factory=EvalSection)
     """Held-out evaluation and promotion."""
     refresh: RefreshSection = field(default_factory=RefreshSection)
@@ -317,6 +338,8 @@ class PipelineConfig:
             lengths = {"sft.max_length": self.sft.max_length,
                        "reward_model.training.max_length": self.reward_model.training.max_length,
                        "reward_model.heldout.max_length": self.reward_model.heldout.max_length}
+            if self.method == "dpo":
+                lengths["dpo.max_length"] = self.dpo.max_length
             too_long = {k: v for k, v in lengths.items() if v > positions}
             if too_long:
                 raise ValueError(f"{too_long} exceed the {positions} positions of model_size "

@@ -1,4 +1,5 @@
-"""The heldout-eval stage: judge one PPO iteration's policy against the reference, and flag reward hacking.
+"""The heldout-eval stage: judge one PPO iteration's policy (or the dpo stage's, as iteration 1) against the
+reference, and flag reward hacking.
 
 For a fixed set of evaluation prompts the policy and the reference each answer (same seed, so the reference's
 replies are identical in every iteration); the replies are scored by the proxy reward model (the one PPO
@@ -70,7 +71,7 @@ EVAL_SAMPLES = TableSchema(
 class Config:
     judging: Judging
     iteration: int
-    """The PPO iteration judged (the MLflow step of every metric)."""
+    """The PPO iteration judged, 1 for the dpo policy (the MLflow step of every metric)."""
     rm_generation: int
     """Promoted reward-model refreshes before this iteration: the detector compares only iterations scored by the
     same proxy RM (proxy scores of two RMs are on different scales)."""

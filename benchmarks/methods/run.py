@@ -1,4 +1,4 @@
-"""PPO, GRPO, RLOO, REINFORCE++ (and DPO when the code has the stage) and best-of-16 on the demo task, side by side.
+"""PPO, GRPO, RLOO, REINFORCE++, DPO and best-of-16 on the demo task, side by side.
 
     .venv/bin/python -m benchmarks.methods.run --seeds 0 1 2            # ~50 min, one run at a time
     .venv/bin/python -m benchmarks.methods.run --seeds 0 --preset tiny  # a smoke run of every method (~3 min)
@@ -33,9 +33,11 @@ METHODS: dict[str, list[str]] = {
     "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.whiten_advantages=false"],
     "rloo": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4", "ppo.whiten_advantages=false"],
     "reinforce_pp": ["ppo.advantage=reinforce_pp"],
+    "dpo": ["method=dpo"],
 }
 """Each method's settings on top of the preset: the same rollouts per update (64 in the demo), learning rate and KL
-leash (k1 in the reward, coef 0.05) as PPO; GRPO and RLOO sample 4 replies per prompt (16 prompts per update)."""
+leash (k1 in the reward, coef 0.05) as PPO; GRPO and RLOO sample 4 replies per prompt (16 prompts per update). DPO
+trains offline on the reward model's training pairs (the preset's ``dpo`` section)."""
 BEST_OF = 16
 
 

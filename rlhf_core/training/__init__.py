@@ -9,6 +9,7 @@
 - ``checkpoint_integrity``: the manifest that seals a checkpoint, verified before a resume trusts it.
 - ``reward_training``: Bradley-Terry reward-model training and evaluation.
 - ``sft``: supervised fine-tuning on demonstrations.
+- ``dpo``, ``dpo_losses``: DPO / IPO on preference pairs, offline (the loop, and its math as pure functions).
 - ``strategy``: how losses become weight updates (one process, or data-parallel).
 
 The names below are re-exported for "PPO in a few lines"; code inside ``rlhf_core`` imports from the modules.

@@ -122,12 +122,14 @@ class SFTResult:
 
 
 def encode_examples(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Demonstration], max_length: int
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Demonstration], max_length: int,
+    setting: str = "sft.max_length",
 ) -> list[EncodedExample]:
     """Tokenise prompts and replies separately and join them as ``prompt + reply + eos``.
 
     Too-long examples keep the END of the prompt (nearest the reply) and the START of the reply, with at
-    least one prompt token left when the prompt has any; the eos is then lost, so a warning is logged.
+    least one prompt token left when the prompt has any; the eos is then lost, so a warning is logged, naming
+    ``setting`` (the config key of ``max_length``: DPO encodes its pairs' replies here too).
     """
     prompts = tokenizer([p for p, _ in examples], add_special_tokens=False).input_ids
     replies = tokenizer([r for _, r in examples], add_special_tokens=False).input_ids
@@ -143,8 +145,8 @@ def encode_examples(
     n_truncated = sum(e.truncated for e in encoded)
     if n_truncated:
         logger.warning(
-            "%d of %d demonstrations exceed max_length=%d tokens and were truncated; raise sft.max_length "
-            "or filter long rows in data-prep", n_truncated, len(encoded), max_length
+            "%d of %d (prompt, reply) examples exceed max_length=%d tokens and were truncated; raise %s "
+            "or filter long rows in data-prep", n_truncated, len(encoded), max_length, setting
         )
     return encoded
 

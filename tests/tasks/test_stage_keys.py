@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from tasks import best_of_n, data_prep, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft
+from tasks import best_of_n, data_prep, dpo, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.run_store import stage_key
 from tasks.typed_yaml import DERIVED, config_to_dict, dump_config_text
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_MODULES = (data_prep, sft, reward_model, best_of_n, ppo_iteration, heldout_eval, rm_refresh)
+STAGE_MODULES = (data_prep, sft, reward_model, best_of_n, ppo_iteration, heldout_eval, rm_refresh, dpo)
 
 #: Settings no stage reads: where a run lives and how it is named and tracked, never what it computes.
 RUN_LEVEL = {"name", "state_dir", "tracking.experiment", "tracking.policy_model", "tracking.reward_model",
@@ -43,9 +43,10 @@ ONLY_WITH_ANOTHER = {
     "distributed.num_processes": "more than 1 needs distributed.deepspeed_config",
     "distributed.num_nodes": "more than 1 needs distributed.deepspeed_config",
     "refresh.annotator": "simulated needs demo data; file/rm_judge change other settings' meaning",
+    "ppo.kl.placement": "loss refuses the default k1 estimator",
 }
 #: Settings that decide which stages run (the flow reads them), not what one stage computes.
-FLOW_LEVEL = {"refresh.enabled", "refresh.every_k", "refresh.on_hacking", "ppo.iterations"}
+FLOW_LEVEL = {"refresh.enabled", "refresh.every_k", "refresh.on_hacking", "ppo.iterations", "method"}
 
 
 def slices(config: PipelineConfig) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def slices(config: PipelineConfig) -> dict[str, Any]:
     return {"data-prep": data_prep.Config.of(config), "sft": sft.Config.of(config),
             "reward-model": reward_model.Config.of(config), "best-of-n": best_of_n.Config.of(config),
             "ppo-iteration": ppo_iteration.Config.of(config, 2), "heldout-eval": heldout_eval.Config.of(config, 2, 1),
-            "rm-refresh": rm_refresh.Config.of(config, 2)}
+            "rm-refresh": rm_refresh.Config.of(config, 2), "dpo": dpo.Config.of(config)}
 
 
 def keys(config: PipelineConfig) -> dict[str, str]:
@@ -142,7 +143,8 @@ def leaves(config: Any, prefix: str = "") -> list[str]:
 def reads_by_stage(config: PipelineConfig) -> dict[str, set[str]]:
     builders = {"data-prep": data_prep.Config.of, "sft": sft.Config.of, "reward-model": reward_model.Config.of,
                 "best-of-n": best_of_n.Config.of, "ppo-iteration": lambda c: ppo_iteration.Config.of(c, 2),
-                "heldout-eval": lambda c: heldout_eval.Config.of(c, 2, 1), "rm-refresh": lambda c: rm_refresh.Config.of(c, 2)}
+                "heldout-eval": lambda c: heldout_eval.Config.of(c, 2, 1),
+                "rm-refresh": lambda c: rm_refresh.Config.of(c, 2), "dpo": dpo.Config.of}
     return {stage: read_leaves(build, config) for stage, build in builders.items()}
 
 

@@ -25,7 +25,7 @@ ADAPTERS = frozenset({"rlhf_core/distributed/zero.py", "rlhf_core/models/lora.py
 CORE_FORBIDDEN = frozenset({"prefect", "mlflow", "pandas", "pyarrow", "tasks", "flows"})
 #: One module per stage in tasks/; a stage never imports another (what two share lives in an adapter module).
 STAGE_MODULES = frozenset({"tasks.data_prep", "tasks.sft", "tasks.reward_model", "tasks.best_of_n",
-                           "tasks.ppo_iteration", "tasks.heldout_eval", "tasks.rm_refresh"})
+                           "tasks.ppo_iteration", "tasks.heldout_eval", "tasks.rm_refresh", "tasks.dpo"})
 #: The one package that talks to MLflow.
 TRACKING_ADAPTER = "tasks/tracking/"
 #: Never unpickle anything: records are JSON, checkpoints safetensors + JSON.

@@ -1,0 +1,328 @@
+"""Direct preference optimisation: the policy learns preference pairs offline, against a frozen reference, with
+no reward model and no sampling (DPO, Rafailov et al. 2023; IPO, Azar et al. 2023, as an option).
+
+Each side of a pair is encoded exactly as an SFT demonstration (``prompt ids + reply ids + eos``, prompt and padding
+labelled ``IGNORE_INDEX``: :mod:`rlhf_core.training.sft`), and its log-probability is the SUM of the next-token
+log-probs over the reply tokens and the eos. With ``h = (logp_c - ref_c) - (logp_r - ref_r)``:
+
+    sigmoid:  -log sigmoid(beta * h)
+    ipo:      (h - 1 / (2 beta))^2, where (TRL's IPO, ``ipo_per_token``) each reply's log-ratio is first divided
+              by its token count, so the target does not depend on reply length
+
+The math is in :mod:`rlhf_core.training.dpo_losses`. A step's loss is the mean over the pairs of the WHOLE batch:
+each micro-batch adds its summed pair losses divided by the batch's pair count, so ``micro_batch_size`` never
+changes the update. The reference never changes, so its log-probs are computed once, before the first step (TRL's
+``precompute_ref_log_probs``); without a separate reference they are the policy's own before training, and no
+second copy of the weights is needed. Dropout is off throughout (as in TRL): the policy's log-probs must be
+comparable with the reference's. Checkpoints (weights, optimizer, curves) make a killed run resume exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_core.models.lm import dropout_override
+from rlhf_core.models.tokenizer import check_special_tokens
+from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
+from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
+from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
+from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.training.sft import IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Hyperparameters of DPO / IPO."""
+
+    beta: Positive = 0.1
+    """Strength of the implicit leash to the reference: the smaller, the further the policy may move (TRL 0.1).
+    For IPO the regulariser tau: the target log-ratio difference is 1 / (2 beta)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """'sigmoid': DPO's -log sigmoid(beta h); 'ipo': IPO's squared loss (h - 1/(2 beta))^2."""
+    ipo_per_token: bool = True
+    """IPO only: divide each reply's log-ratio by its token count before the difference (TRL's IPO, the form the
+    IPO authors report); False = the summed log-probs of the paper's Eq. 17, whose target ignores reply length."""
+    epochs: PositiveInt = 1
+    """Passes over the training pairs."""
+    batch_size: PositiveInt = 32
+    """Pairs per optimizer step; the loss is their mean."""
+    micro_batch_size: PositiveInt = 32
+    """Pairs per forward/backward (both replies of a pair go in one forward); a memory knob, never the update."""
+    learning_rate: Positive = 1e-6
+    """Peak AdamW learning rate (TRL 1e-6 for pretrained models; a small model trained from scratch takes ~1e-4)."""
+    weight_decay: NonNegative = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: Count = 0
+    """Steps of linear warmup from ~0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """After warmup: keep ``learning_rate`` or decay it linearly towards 0 at the last step."""
+    max_grad_norm: Positive | None = 1.0
+    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
+    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
+    """Longest prompt + reply + eos in tokens; longer ones keep the prompt's end and the reply's start (as SFT)."""
+    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 0
+    """Measure the held-out pairs every this many steps (0 = only before and after training)."""
+    eval_batch_size: PositiveInt = 64
+    """Pairs per forward pass when log-probs are only measured (the reference's, evaluations)."""
+    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
+    """Write a progress line (loss, reward accuracy, rate, ETA) every this many steps (0 = never)."""
+    seed: Count = 0
+    """Seeds the order of the pairs."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "dpo")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"dpo.micro_batch_size={self.micro_batch_size} must be <= dpo.batch_size="
+                             f"{self.batch_size}")
+
+
+def pair_losses(config: DPOConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """The configured loss of every pair. logprobs, ref_logprobs, lengths (reply tokens): (B, 2) -> (B,)."""
+    if config.loss == "ipo":
+        return ipo_loss(logprobs, ref_logprobs, config.beta, lengths if config.ipo_per_token else None)
+    return sigmoid_loss(logprobs, ref_logprobs, config.beta)
+
+
+# --- encoding and forward passes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Both replies of a pair, each encoded as an SFT demonstration."""
+
+    chosen: EncodedExample
+    rejected: EncodedExample
+
+
+def encode_preferences(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair],
+                       max_length: int) -> list[EncodedPair]:
+    """``prompt + chosen + eos`` and ``prompt + rejected + eos``, prompt labelled ``IGNORE_INDEX``."""
+    chosen = encode_examples(tokenizer, [(p.prompt, p.chosen) for p in pairs], max_length, "dpo.max_length")
+    rejected = encode_examples(tokenizer, [(p.prompt, p.rejected) for p in pairs], max_length, "dpo.max_length")
+    return [EncodedPair(c, r) for c, r in zip(chosen, rejected, strict=True)]
+
+
+def pair_logprobs(model: PreTrainedModel, pairs: Sequence[EncodedPair],
+                  pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed reply log-probs and reply token counts of both sides, in one forward -> ((B, 2), (B, 2))."""
+    device = next(model.parameters()).device
+    batch = collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_token_id, device)  # (2B, T)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logprobs = reply_logprobs(logits, batch.labels)  # (2B,)
+    lengths = (batch.labels[:, 1:] != IGNORE_INDEX).sum(dim=1).float()  # (2B,)
+    n = len(pairs)
+    return torch.stack([logprobs[:n], logprobs[n:]], dim=1), torch.stack([lengths[:n], lengths[n:]], dim=1)
+
+
+@torch.no_grad()
+def measure_logprobs(model: PreTrainedModel, pairs: Sequence[EncodedPair], pad_token_id: int,
+                     batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pair_logprobs` of every pair, in eval mode, without gradients -> ((N, 2), (N, 2)) on the CPU."""
+    was_training = model.training
+    model.eval()
+    parts = [pair_logprobs(model, pairs[start:start + batch_size], pad_token_id)
+             for start in range(0, len(pairs), batch_size)]
+    model.train(was_training)
+    return torch.cat([p[0] for p in parts]).float().cpu(), torch.cat([p[1] for p in parts]).cpu()
+
+
+def evaluate_pairs(model: PreTrainedModel, pairs: Sequence[EncodedPair], ref_logprobs: torch.Tensor,
+                   config: DPOConfig, pad_token_id: int) -> PreferenceStats:
+    """Loss, implicit-reward accuracy and margins of ``model`` on ``pairs`` (reference log-probs (N, 2))."""
+    logprobs, lengths = measure_logprobs(model, pairs, pad_token_id, config.eval_batch_size)
+    return preference_stats(pair_losses(config, logprobs, ref_logprobs, lengths), logprobs, ref_logprobs, config.beta)
+
+
+def dpo_step(policy: PreTrainedModel, optimizer: torch.optim.Optimizer, pairs: Sequence[EncodedPair],
+             ref_logprobs: torch.Tensor, config: DPOConfig, pad_token_id: int) -> tuple[PreferenceStats, float]:
+    """One optimizer step over ``pairs`` in micro-batches -> (stats before the step, pre-clip gradient norm).
+
+    ``ref_logprobs`` (B, 2) are the reference's log-probs of ``pairs``. NonFiniteError, before the step is applied,
+    when the loss or the gradient norm is NaN or infinite.
+    """
+    device = next(policy.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    losses, logprobs = [], []
+    for start in range(0, len(pairs), config.micro_batch_size):
+        micro = slice(start, start + config.micro_batch_size)
+        micro_logprobs, lengths = pair_logprobs(policy, pairs[micro], pad_token_id)
+        micro_losses = pair_losses(config, micro_logprobs, ref_logprobs[micro].to(device), lengths)
+        # Divided by the WHOLE batch's pair count: micro-batching gives the gradient of one big batch.
+        (micro_losses.sum() / len(pairs)).backward()
+        losses.append(micro_losses.detach().cpu())
+        logprobs.append(micro_logprobs.detach().cpu())
+    stats = preference_stats(torch.cat(losses), torch.cat(logprobs), ref_logprobs, config.beta)
+    require_finite("DPO loss", stats.loss)
+    max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
+    grad_norm = require_finite("DPO gradient norm", torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+    optimizer.step()
+    return stats, grad_norm
+
+
+# --- the loop ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DPOResult:
+    """Curves and final measurements of one DPO run."""
+
+    train_metrics: tuple[dict[str, float], ...]
+    """``dpo/*`` of every optimizer step, in order (the batch's stats before its update)."""
+    eval_steps: tuple[int, ...]
+    """Step after which each held-out evaluation ran (0 = before training); empty without held-out pairs."""
+    eval_metrics: tuple[dict[str, float], ...]
+    """``dpo/eval/*`` at each of ``eval_steps``."""
+    final_train: dict[str, float]
+    """``dpo/train_eval/*``: the final policy on every training pair (before training: loss log 2, accuracy 0.5)."""
+    n_truncated: int
+    """Training pairs with a side cut to ``max_length``."""
+    resumed_from: int
+    """Step of the checkpoint this run continued (0 = a fresh start)."""
+    seconds: float
+
+
+@dataclass
+class _Run:
+    """What the loop carries from step to step (and what a checkpoint saves besides weights and optimizer)."""
+
+    train_metrics: list[dict[str, float]]
+    eval_steps: list[int]
+    eval_metrics: list[dict[str, float]]
+
+    def state(self) -> dict[str, Any]:
+        return {"train_metrics": self.train_metrics, "eval_steps": self.eval_steps, "eval_metrics": self.eval_metrics}
+
+
+def train_dpo(
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train_pairs: Sequence[PreferencePair],
+    config: DPOConfig = DPOConfig(),
+    eval_pairs: Sequence[PreferencePair] = (),
+    reference: PreTrainedModel | None = None,
+    on_log: LogFn | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+) -> DPOResult:
+    """Train ``policy`` in place on ``train_pairs`` against ``reference`` (None = the policy as it is now); ends
+    in eval mode.
+
+    ``on_log(step, metrics)`` gets ``dpo/*`` (loss, rewards, log-probs, grad norm, lr, epoch) after every step and
+    ``dpo/eval/*`` after every evaluation of ``eval_pairs`` (step 0 = before training). With ``checkpoint_dir``
+    a checkpoint is written every ``checkpoint_every`` steps, and calling again with the same arguments (the policy
+    loaded afresh at its starting weights: the reference's log-probs are measured before a checkpoint's weights are
+    loaded) resumes from the newest one that verifies, ending with the weights an uninterrupted run would have.
+    """
+    check_special_tokens(tokenizer)
+    if not train_pairs:
+        raise ValueError("DPO needs preference pairs to train on, got none; check the data-prep split")
+    started, pad, log = time.perf_counter(), tokenizer.pad_token_id, on_log or (lambda step, metrics: None)
+    train = encode_preferences(tokenizer, train_pairs, config.max_length)
+    held_out = encode_preferences(tokenizer, eval_pairs, config.max_length) if eval_pairs else []
+    plan = batch_plan(len(train), config)
+    with dropout_override(policy, 0.0):
+        judge = policy if reference is None else reference
+        ref_train = measure_logprobs(judge, train, pad, config.eval_batch_size)[0]  # before any step: the reference
+        ref_eval = measure_logprobs(judge, held_out, pad, config.eval_batch_size)[0] if held_out else None
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        start, run = _resume(checkpoint_dir, policy, optimizer)
+
+        def evaluate(step: int) -> None:
+            if ref_eval is not None:
+                run.eval_steps.append(step)
+                run.eval_metrics.append(evaluate_pairs(policy, held_out, ref_eval, config, pad).to_metrics("dpo/eval"))
+                log(step, run.eval_metrics[-1])
+
+        if start == 0:
+            evaluate(0)
+        resumed_at = time.perf_counter()
+        policy.train()
+        for step in range(start + 1, len(plan) + 1):
+            indices = plan[step - 1]
+            stats, metrics = _step(policy, optimizer, [train[i] for i in indices], ref_train[indices], config, pad,
+                                   step, len(plan))
+            run.train_metrics.append(metrics)
+            log(step, metrics)
+            if config.log_every and (step % config.log_every == 0 or step == len(plan)):
+                _log_progress(step, len(plan), stats, step - start, resumed_at)
+            if config.eval_every and step % config.eval_every == 0 and step < len(plan):
+                evaluate(step)
+            if checkpoint_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < len(plan):
+                # The batch plan is drawn whole from the seed, so the generator a checkpoint keeps is not needed.
+                save_checkpoint(checkpoint_dir, step, {"policy": policy}, optimizer, torch.Generator(), run.state())
+        evaluate(len(plan))
+        final_train = evaluate_pairs(policy, train, ref_train, config, pad).to_metrics("dpo/train_eval")
+    policy.eval()
+    require_finite_weights({"DPO policy": policy})  # nothing non-finite is saved, registered or evaluated
+    return DPOResult(tuple(run.train_metrics), tuple(run.eval_steps), tuple(run.eval_metrics), final_train,
+                     sum(p.chosen.truncated or p.rejected.truncated for p in train), start,
+                     time.perf_counter() - started)
+
+
+def _step(policy: PreTrainedModel, optimizer: torch.optim.Optimizer, pairs: list[EncodedPair],
+          ref_logprobs: torch.Tensor, config: DPOConfig, pad_token_id: int, step: int,
+          total_steps: int) -> tuple[PreferenceStats, dict[str, float]]:
+    """Step ``step`` of the run at its scheduled learning rate -> (stats, its ``dpo/*`` metrics)."""
+    lr = learning_rate_at(config, step, total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    try:
+        stats, grad_norm = dpo_step(policy, optimizer, pairs, ref_logprobs, config, pad_token_id)
+    except NonFiniteError as error:
+        raise NonFiniteError(f"DPO step {step}: {error}; training stopped before applying it. Lower "
+                             "dpo.learning_rate") from None
+    epochs = step / math.ceil(total_steps / config.epochs)
+    return stats, {**stats.to_metrics("dpo"), "dpo/grad_norm": grad_norm, "dpo/lr": lr, "dpo/epoch": epochs}
+
+
+def batch_plan(n_pairs: int, config: DPOConfig) -> list[list[int]]:
+    """Pair indices of every step: each epoch a fresh seeded shuffle cut into ``batch_size`` chunks (the last one
+    may be smaller). Drawn whole at the start, so a resumed run takes the same batches as an uninterrupted one."""
+    shuffler = torch.Generator().manual_seed(config.seed)
+    plan = []
+    for _ in range(config.epochs):
+        order = torch.randperm(n_pairs, generator=shuffler).tolist()
+        plan += [order[start:start + config.batch_size] for start in range(0, n_pairs, config.batch_size)]
+    return plan
+
+
+def learning_rate_at(config: DPOConfig, step: int, total_steps: int) -> float:
+    """Learning rate of 1-based ``step``: linear warmup, then constant or linear decay towards 0 at the last step."""
+    index = step - 1
+    if index < config.warmup_steps:
+        return config.learning_rate * (index + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.learning_rate
+    return config.learning_rate * max(0.0, (total_steps - index) / max(1, total_steps - config.warmup_steps))
+
+
+def _resume(checkpoint_dir: str | Path | None, policy: PreTrainedModel,
+            optimizer: torch.optim.Optimizer) -> tuple[int, _Run]:
+    """(step, curves so far) of the newest usable checkpoint, its weights and optimizer loaded; (0, empty) if none."""
+    path = resume_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if path is None:
+        return 0, _Run([], [], [])
+    state = load_checkpoint(path, {"policy": policy}, optimizer, torch.Generator())
+    logger.info("dpo: resuming from %s (step %d)", path, state["step"])
+    return int(state["step"]), _Run(state["train_metrics"], state["eval_steps"], state["eval_metrics"])
+
+
+def _log_progress(step: int, total: int, stats: PreferenceStats, done: int, since: float) -> None:
+    """One progress line: step, loss, reward accuracy and margin, rate (``done`` steps ``since`` then, evaluations
+    included) and ETA."""
+    rate = done / max(time.perf_counter() - since, 1e-9)
+    logger.info("dpo step %d/%d loss %.4f reward accuracy %.3f margin %.3f | %.1f steps/s | eta %.0fs", step, total,
+                stats.loss, stats.reward_accuracy, stats.reward_margin, rate, (total - step) / rate)
