@@ -95,8 +95,9 @@ class Processes:
             except psutil.Error:
                 continue
 
-    def stop(self, name: str, sig: signal.Signals, timeout: float = 60) -> int:
-        """Send ``sig`` to the process alone (as a user would) and wait for its exit code."""
+    def stop(self, name: str, sig: signal.Signals, timeout: float = 180) -> int:
+        """Send ``sig`` to the process alone (as a user would) and wait for its exit code. (A served schedule shuts
+        its runner and its Prefect client down first: once seen taking over 60 s on a loaded 2-core machine.)"""
         self.note_descendants()
         process = self.started[name]
         process.send_signal(sig)
