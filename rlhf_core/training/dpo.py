@@ -37,7 +37,8 @@ from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, sa
 from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 from rlhf_core.training.reward_training import PreferencePair
-from rlhf_core.training.sft import IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples
+from rlhf_core.training.sft import (IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples,
+                                   scheduled_learning_rate, shuffled_batches)
 
 logger = logging.getLogger(__name__)
 
@@ -289,24 +290,16 @@ def _step(policy: PreTrainedModel, optimizer: torch.optim.Optimizer, pairs: list
 
 
 def batch_plan(n_pairs: int, config: DPOConfig) -> list[list[int]]:
-    """Pair indices of every step: each epoch a fresh seeded shuffle cut into ``batch_size`` chunks (the last one
-    may be smaller). Drawn whole at the start, so a resumed run takes the same batches as an uninterrupted one."""
-    shuffler = torch.Generator().manual_seed(config.seed)
-    plan = []
-    for _ in range(config.epochs):
-        order = torch.randperm(n_pairs, generator=shuffler).tolist()
-        plan += [order[start:start + config.batch_size] for start in range(0, n_pairs, config.batch_size)]
-    return plan
+    """Pair indices of every step (:func:`rlhf_core.training.sft.shuffled_batches`: drawn whole from the seed, so a
+    resumed run takes the same batches as an uninterrupted one)."""
+    return shuffled_batches(n_pairs, config.epochs, config.batch_size, config.seed)
 
 
 def learning_rate_at(config: DPOConfig, step: int, total_steps: int) -> float:
-    """Learning rate of 1-based ``step``: linear warmup, then constant or linear decay towards 0 at the last step."""
-    index = step - 1
-    if index < config.warmup_steps:
-        return config.learning_rate * (index + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.learning_rate
-    return config.learning_rate * max(0.0, (total_steps - index) / max(1, total_steps - config.warmup_steps))
+    """Learning rate of 1-based ``step``: linear warmup, then constant or linear decay towards 0 at the last step (the
+    schedule SFT uses: :func:`rlhf_core.training.sft.scheduled_learning_rate`)."""
+    return scheduled_learning_rate(config.learning_rate, step - 1, config.warmup_steps, config.lr_schedule,
+                                   total_steps)
 
 
 def _resume(checkpoint_dir: str | Path | None, policy: PreTrainedModel,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -241,10 +241,11 @@ def train_sft(
         log(step, {"sft/eval_loss": eval_losses[-1]})
 
     torch.manual_seed(config.seed)
-    shuffler = torch.Generator().manual_seed(config.seed)
     evaluate(0)
+    plan = shuffled_batches(len(train), config.epochs, config.batch_size, config.seed)
     with dropout_override(model, config.dropout):
-        for step, batch in enumerate(_batches(train, config, shuffler), start=1):
+        for step, indices in enumerate(plan, start=1):
+            batch = [train[i] for i in indices]
             model.train()
             try:
                 loss, grad_norm = _train_step(model, optimizer, batch, config, tokenizer.pad_token_id)
@@ -267,14 +268,26 @@ def train_sft(
     return SFTResult(tuple(train_losses), tuple(eval_steps), tuple(eval_losses), seconds)
 
 
-def _batches(
-    examples: list[EncodedExample], config: SFTConfig, shuffler: torch.Generator
-) -> Iterator[list[EncodedExample]]:
-    """Every epoch a fresh shuffle cut into ``batch_size`` chunks (the last one may be smaller)."""
-    for _ in range(config.epochs):
-        order = torch.randperm(len(examples), generator=shuffler).tolist()
-        for start in range(0, len(order), config.batch_size):
-            yield [examples[i] for i in order[start : start + config.batch_size]]
+def shuffled_batches(n_items: int, epochs: int, batch_size: int, seed: int) -> list[list[int]]:
+    """Item indices of every optimizer step: each epoch a fresh shuffle (one generator seeded with ``seed``) cut
+    into ``batch_size`` chunks, the last one possibly smaller. Drawn whole up front, so a resumed run takes the same
+    batches as an uninterrupted one (DPO, SFT)."""
+    shuffler = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(epochs):
+        order = torch.randperm(n_items, generator=shuffler).tolist()
+        plan += [order[start:start + batch_size] for start in range(0, n_items, batch_size)]
+    return plan
+
+
+def scheduled_learning_rate(peak: float, step: int, warmup_steps: int, lr_schedule: str, total_steps: int) -> float:
+    """Learning rate at 0-based optimizer ``step``: linear warmup to ``peak``, then constant ('constant') or a
+    linear decay towards 0 at the last step ('linear'). ``peak=1.0`` gives the multiplier (SFT's LambdaLR)."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    if lr_schedule == "constant":
+        return peak
+    return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
 def _train_step(
@@ -306,11 +319,7 @@ def _make_optimizer(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
 
     def multiplier(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        if config.lr_schedule == "constant":
-            return 1.0
-        return max(0.0, (total_steps - step) / max(1, total_steps - config.warmup_steps))
+        return scheduled_learning_rate(1.0, step, config.warmup_steps, config.lr_schedule, total_steps)
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 

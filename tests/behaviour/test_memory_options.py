@@ -50,7 +50,7 @@ def experience_for(m: PPOModels, cfg: PPOConfig):
 
 
 def gradients(m: PPOModels, cfg: PPOConfig, experience) -> dict[str, torch.Tensor]:
-    value = m.value_head if m.value_head is not None else m.critic
+    value = m.value_model
     for p in [*m.policy.parameters(), *value.parameters()]:
         p.grad = None
     with autocast(cfg.autocast, torch.device("cpu")):

@@ -95,7 +95,7 @@ def test_ppo_update_matches_one_process(runs, case):
     local, distributed = runs
     one, two = local[f"{case}/ppo"], distributed[f"{case}/ppo"]
     start = ppo_models(CASES[case][1])
-    value_start = (start.value_head if start.value_head is not None else start.critic).state_dict()
+    value_start = start.value_model.state_dict()
     assert relative_diff(one["policy"], two["policy"], start.policy.state_dict()) < RELATIVE_TOL
     assert relative_diff(one["value"], two["value"], value_start) < RELATIVE_TOL
     assert max_diff(one["policy"], two["policy"]) < PPO_CONFIG.learning_rate / 10

@@ -132,8 +132,7 @@ def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: 
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
     models, strategy = prepare_training(ppo_models(value_model), config, make_strategy)
     stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy)
-    value = models.value_head if models.value_head is not None else models.critic
-    return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, value)}
+    return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, models.value_model)}
 
 
 def sharded_ppo_step(make_strategy: StrategyFactory, value_model: str) -> dict[str, Any]:
