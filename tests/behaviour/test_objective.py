@@ -121,3 +121,22 @@ def test_replies_to_one_prompt_sit_side_by_side() -> None:
         assert all(torch.equal(rows[0], row) for row in rows)
     with pytest.raises(ValueError, match="it takes ppo.rollout_batch_size / ppo.samples_per_prompt = 4"):
         ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(config), torch.Generator()), PROMPTS, config)
+
+
+def test_a_critic_free_run_resumes_to_the_weights_of_a_straight_run(tmp_path) -> None:
+    """Checkpoints without a value model: killed after 2 updates and resumed to 4 == 4 in one go."""
+    from rlhf_core.training.ppo_loop import train_ppo
+
+    def fresh() -> PPOModels:
+        m = models()
+        return PPOModels(m.policy, m.reference, CountSeven(), m.stop_token_ids, m.pad_token_id)
+
+    config = _config(advantage="rloo", samples_per_prompt=4, mini_batch_size=8, micro_batch_size=4)
+    straight = fresh()
+    train_ppo(straight, PROMPTS, config, 4, tmp_path / "straight", 1)
+    train_ppo(fresh(), PROMPTS, config, 2, tmp_path / "resumed", 1)
+    resumed = fresh()
+    result = train_ppo(resumed, PROMPTS, config, 4, tmp_path / "resumed", 1)
+    assert result.resumed_from_step == 2
+    for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
