@@ -24,7 +24,7 @@ from rlhf_core.data import DataPrepConfig
 from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
-from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE
+from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE, SpecialTokens
 from rlhf_core.ranges import Count, Fraction, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.dpo import DPOConfig
 from rlhf_core.training.sft import SFTConfig
@@ -72,6 +72,9 @@ class SFTSection(SFTConfig):
     model_size: Literal["tiny", "demo"] | ModelSize = "demo"
     """Size of the GPT built here: a preset name (``rlhf_core.models.lm.PRESETS``) or its shape
     (n_layer, n_embd, n_head, n_positions); only when base_model is None."""
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    """The policy's eos / bos / pad, as token text, where ``base_model``'s tokenizer lacks them or should use others
+    (e.g. ``eos: "<|im_end|>"`` for a chat model). Saved with the SFT policy, so every later stage reads the same."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,15 +90,33 @@ class RewardModelSection:
     """The proxy reward model PPO optimises, and the held-out one that only evaluation sees."""
 
     init: ModelSource = "sft"
-    """'sft': start from the SFT policy's weights; 'scratch': fresh model of the policy's shape; else a path/id."""
+    """Where the proxy reward model starts. 'sft': the SFT policy's weights with a fresh scalar head; 'scratch': a fresh
+    model of the policy's shape; else a local folder, ``models:/`` URI or Hugging Face id of any sequence-classification
+    or base checkpoint, decoder or encoder (a 1-output classifier is continued; anything else gets a fresh scalar head)
+    with its own tokenizer."""
+    heldout_init: ModelSource | None = None
+    """Where the held-out reward model starts (same choices as ``init``); None = the same as ``init``."""
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    """eos / bos / pad of a reward-model init's own tokenizer (not 'sft' / 'scratch', which use the policy's), as token
+    text; None = its own, else the fallbacks (eos: sep, bos: cls, pad: eos)."""
     training: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
     """Training of the proxy reward model (on the train pairs)."""
     heldout: RewardTrainingConfig = field(default_factory=lambda: RewardTrainingConfig(seed=1))
     """Training of the held-out reward model (on the held-out pairs; a different seed by default)."""
 
     def __post_init__(self) -> None:
-        if not self.init.strip():
-            raise ValueError("reward_model.init must be 'sft', 'scratch' or a model path / id, got ''")
+        for key, value in (("init", self.init), ("heldout_init", self.heldout_init)):
+            if value is not None and not value.strip():
+                raise ValueError(f"reward_model.{key} must be 'sft', 'scratch' or a model path / id, got ''")
+
+    def init_of(self, role: str) -> str:
+        """The init of the ``'proxy'`` or ``'heldout'`` reward model."""
+        return self.heldout_init if role == "heldout" and self.heldout_init is not None else self.init
+
+    @property
+    def inits(self) -> tuple[str, ...]:
+        """Both inits, proxy first (equal when ``heldout_init`` is None)."""
+        return (self.init_of("proxy"), self.init_of("heldout"))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
@@ -29,7 +28,7 @@ from rlhf_core.training.ppo_loop import train_ppo
 from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 from tasks.io import read_prompts
 from tasks.launch import DistributedJob, reward_history_to_json
-from tasks.models import build_ppo_models, max_positions, tokenize_prompts
+from tasks.models import build_ppo_models, load_tokenizer, max_positions, tokenize_prompts
 from tasks.runtime import Runtime
 from tasks.typed_yaml import build
 
@@ -80,7 +79,7 @@ def train_reward(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[s
     """train_reward_model on this rank's share of every batch; rank 0 saves the weights and the history."""
     spec, folder = job.reward, Path(job.workdir)
     cfg = job_settings(RewardTrainingConfig, spec["training"], "reward_model.training", job)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer = load_tokenizer(spec["model_dir"])
     model = load_reward_model(spec["model_dir"], runtime.torch_dtype).to(runtime.torch_device)
     pairs = json.loads(Path(spec["pairs_file"]).read_text(encoding="utf-8"))
     factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=math.ceil(cfg.batch_size / world_size))
@@ -97,7 +96,7 @@ def train_policy(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[s
     """train_ppo with each rank generating its share of every rollout batch; checkpoints go where the stage reads."""
     spec = job.ppo
     config = job_settings(PPOConfig, spec["config"], "ppo", job)
-    tokenizer = AutoTokenizer.from_pretrained(spec["reference_dir"])
+    tokenizer = load_tokenizer(spec["reference_dir"])
     models = build_ppo_models(config, runtime, int(spec["seed"]), spec["reference_dir"], spec["reward_dir"], tokenizer)
     prompts = tokenize_prompts(read_prompts(spec["prompts_file"]), spec["prompts_file"], tokenizer,
                                max_positions(models.policy) - config.generation.max_new_tokens)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rlhf_core.models.roles import load_policy
 from rlhf_core.training.dpo import DPOResult, train_dpo
 from tasks.config import DPOSection, PipelineConfig
 from tasks.io import read_pairs, write_json
-from tasks.models import max_positions
+from tasks.models import load_tokenizer, max_positions
 from tasks.plots import save_figure, training_curves
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime
@@ -83,7 +83,7 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     train = read_pairs(data.path(data.result["train_pairs"]))
     heldout = read_pairs(data.path(data.result["heldout_pairs"]))
     policy = load_policy(inputs.reference.path, cfg.runtime.torch_dtype).to(cfg.runtime.torch_device)
-    tokenizer = AutoTokenizer.from_pretrained(inputs.reference.path)
+    tokenizer = load_tokenizer(inputs.reference.path)
     log.info("dpo: %s loss, beta %g, %d train pairs, %d held-out pairs", cfg.dpo.loss, cfg.dpo.beta, len(train),
              len(heldout))
     ctx.tracker.flush_every = FLUSH_EVERY

@@ -12,22 +12,33 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.models import families
 from rlhf_core.models.lora import LoRACritic, lora_policy
-from rlhf_core.models.roles import Critic, ValueHead, freeze, load_policy, load_reward_model, make_reference
+from rlhf_core.models.roles import (Critic, ValueHead, freeze, load_policy, load_reward_model, make_reference,
+                                    split_classifier)
 from rlhf_core.models.scoring import RewardModelScorer
-from rlhf_core.models.text import encode_prompt, pad_id
+from rlhf_core.models.text import encode_prompt, pad_id, same_vocabulary
+from rlhf_core.models.tokenizer import SpecialTokens, resolve_special_tokens
 from rlhf_core.training.experience import PPOModels
 from tasks.runtime import Runtime
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def load_tokenizer(folder: str | Path, tokens: SpecialTokens = SpecialTokens(),
+                   setting: str = "tokens") -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model, its eos / bos / pad resolved (``tokens``, else its own, else the fallbacks
+    of :func:`rlhf_core.models.tokenizer.resolve_special_tokens`): every stage loads tokenizers here, so all of
+    them see the same special tokens."""
+    return resolve_special_tokens(AutoTokenizer.from_pretrained(str(folder)), tokens, setting)
+
+
 def tokenizer_of(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
-    """The tokenizer saved next to a model, or None when the folder holds none."""
+    """The tokenizer saved next to a model (:func:`load_tokenizer`), or None when the folder holds none."""
     folder = Path(model_dir)
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load_tokenizer(model_dir)
 
 
 def load_frozen_lm(runtime: Runtime, folder: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -56,7 +67,7 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     policy = load_policy(str(reference_dir), dtype).to(device)
     hidden_size = policy.config.hidden_size
     reward_model = load_reward_model(str(reward_dir), dtype).to(device)
-    rm_tokenizer = AutoTokenizer.from_pretrained(str(reward_dir))
+    rm_tokenizer = load_tokenizer(reward_dir)
     scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.micro_batch_size)
     policy, reference = lora_policy(policy, lora, seed) if lora.enabled else (policy, make_reference(policy))
     common = dict(policy=policy, reference=reference, scorer=scorer,
@@ -64,14 +75,31 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     if not config.uses_value_model:  # a critic-free estimator: no value model is built or loaded
         return PPOModels(**common)
     if config.value_model == "critic":
+        check_critic(reward_model, tokenizer, rm_tokenizer)
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))
     return PPOModels(**common, value_head=ValueHead(hidden_size, seed=seed).to(device))
 
 
+def check_critic(reward_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 rm_tokenizer: PreTrainedTokenizerBase) -> None:
+    """ValueError in one line unless the reward model can be a per-token critic of this policy: a decoder with a
+    per-token score head (``roles.split_classifier``) that reads the policy's token ids in the same vocabulary."""
+    split_classifier(reward_model)
+    if not same_vocabulary(tokenizer, rm_tokenizer):
+        raise ValueError(f"ppo.value_model='critic' reads the policy's token ids, but the reward model's tokenizer "
+                         f"({rm_tokenizer.name_or_path!r}) has another vocabulary than the policy's "
+                         f"({tokenizer.name_or_path!r}); use ppo.value_model=head, or a reward model trained on the "
+                         "policy's tokenizer (reward_model.init=sft)")
+
+
 def max_positions(model: PreTrainedModel) -> int:
     """Positions the model takes (``n_positions`` for GPT-2, ``max_position_embeddings`` otherwise)."""
-    return getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    positions = families.max_positions(model)
+    if positions is None:
+        raise ValueError(f"{type(model).__name__}'s config names no maximum length (n_positions / "
+                         "max_position_embeddings)")
+    return positions
 
 
 def tokenize_prompts(prompts: Sequence[str], source: str, tokenizer: PreTrainedTokenizerBase,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from safetensors.torch import save_model
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.lora import plain_model
 from rlhf_core.models.scoring import decode_rollout
@@ -31,7 +31,7 @@ from rlhf_core.config import PPOConfig
 from tasks.config import DistributedSection, PipelineConfig
 from tasks.io import read_prompts, write_frame, write_json
 from tasks.launch import run_ppo_training
-from tasks.models import build_ppo_models, max_positions, tokenize_prompts
+from tasks.models import build_ppo_models, load_tokenizer, max_positions, tokenize_prompts
 from tasks.plots import save_figure, training_curves
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime
@@ -115,7 +115,7 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     elif cfg.iteration > 1:
         raise ValueError(f"iteration {cfg.iteration} continues iteration {cfg.iteration - 1}, which was not given")
     reference_dir, reward_dir = inputs.reference.path, inputs.reward.path
-    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    tokenizer = load_tokenizer(reference_dir)
     models = build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, reference_dir, reward_dir, tokenizer)
     prompts_file = inputs.data.path(inputs.data.result["ppo_prompts"])
     prompts = tokenize_prompts(read_prompts(prompts_file), str(prompts_file), tokenizer,

@@ -1,69 +1,61 @@
 """Checks of a resolved config against this machine, before any stage runs: the files it names exist (and a
-DeepSpeed config is one the loops can honour), its device exists, its precision settings fit together and
-its lengths fit the model.
+DeepSpeed config is one the loops can honour), every model it names can be had and is of the right kind
+(``tasks.preflight_models``), its device exists, its precision settings fit together and its lengths fit the model.
 
 Range and type rules hold while the config is built (``tasks.typed_yaml``, ``rlhf_core.ranges``); these need
-the file system or the hardware, so ``tasks.config.resolve_config`` runs them once, with each value's source:
-every refusal is one line naming the dotted key, the value, where it came from and what would be valid.
+the file system, the network or the hardware, so ``tasks.config.resolve_config`` runs them once, with each value's
+source: every refusal is one line naming the dotted key, the value, where it came from and what would be valid.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf_core.models.lm import model_size
+from tasks.preflight_models import (MODEL_WORDS, POLICY_KEY, ModelsAtHand, check_critic, check_model_kinds,
+                                    hub_cache, model_folder, require_exists)
 from tasks.run_store.keys import path_settings
 from tasks.typed_yaml import ConfigError, bad_value, source_of
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig
 
-_MODEL_WORDS = ("sft", "scratch")
-"""ModelSource values that name no file (reward_model.init)."""
+__all__ = ["check_environment", "hub_cache"]
 
 
 def check_environment(config: PipelineConfig, origins: Mapping[str, str]) -> None:
     """ConfigError (one line) for the first setting this machine cannot honour."""
-    _check_paths(config, origins)
+    models = _check_paths(config, origins)
+    check_model_kinds(models)
+    check_critic(config, origins, models)
     _check_deepspeed(config, origins)
     _check_device(config, origins)
     _check_precision(config, origins)
-    _check_positions(config, origins)
+    _check_positions(config, origins, models)
 
 
-def _check_paths(config: PipelineConfig, origins: Mapping[str, str]) -> None:
+def _check_paths(config: PipelineConfig, origins: Mapping[str, str]) -> ModelsAtHand:
+    models = ModelsAtHand(origins)
     for key, value, model in path_settings(config):
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if not isinstance(item, str) or "://" in item or item.startswith("models:/"):
                 continue  # a URI: the stage that reads it says what is wrong with it
-            if model and (item in _MODEL_WORDS or not _looks_local(item)):
-                continue  # a Hugging Face id: resolved when the model is loaded
-            _require_exists(key, item, origins)
+            if not model:
+                require_exists(key, item, origins)
+            elif item not in MODEL_WORDS:
+                folder = model_folder(key, item, origins)
+                if folder is not None:
+                    models.folders[key] = (item, folder)
     hostfile = config.distributed.hostfile
     if hostfile is not None:
-        _require_exists("distributed.hostfile", hostfile, origins)
+        require_exists("distributed.hostfile", hostfile, origins)
+    return models
 
 
-def _looks_local(value: str) -> bool:
-    return value.startswith(("/", "./", "../", "~")) or os.path.exists(value)
-
-
-def _require_exists(key: str, value: str, origins: Mapping[str, str]) -> None:
-    path = Path(value).expanduser()
-    if "{iteration}" in value:  # a file per iteration, written later (refresh.labels_file): its folder must exist
-        folder = Path(value.split("{iteration}")[0]).expanduser()
-        folder = folder if value.split("{iteration}")[0].endswith(("/", os.sep)) else folder.parent
-        if not folder.is_dir():
-            raise bad_value(key, value, origins, f"its folder {folder.resolve()} does not exist")
-        return
-    if not path.exists():
-        raise bad_value(key, value, origins, f"no such file or folder (looked in {path.resolve()})")
+# --------------------------------------------------------------------------------------------- hardware
 
 
 def _check_deepspeed(config: PipelineConfig, origins: Mapping[str, str]) -> None:
@@ -131,9 +123,9 @@ def _autocasts(config: PipelineConfig) -> Iterator[tuple[str, str]]:
     yield "reward_model.heldout.autocast", config.reward_model.heldout.autocast
 
 
-def _check_positions(config: PipelineConfig, origins: Mapping[str, str]) -> None:
+def _check_positions(config: PipelineConfig, origins: Mapping[str, str], models: ModelsAtHand) -> None:
     """A reply of ppo.generation.max_new_tokens must leave room for a prompt within the policy's positions."""
-    positions, model = _policy_positions(config)
+    positions, model = _policy_positions(config, models)
     if positions is None:
         return
     key = "ppo.generation.max_new_tokens"
@@ -142,17 +134,13 @@ def _check_positions(config: PipelineConfig, origins: Mapping[str, str]) -> None
                         f"must be < the {positions} positions of {model} (a prompt needs room too)")
 
 
-def _policy_positions(config: PipelineConfig) -> tuple[int | None, str]:
+def _policy_positions(config: PipelineConfig, models: ModelsAtHand) -> tuple[int | None, str]:
     base = config.sft.base_model
     if base is None:
         size = config.sft.model_size
         return (model_size(size) if isinstance(size, str) else size).n_positions, f"model_size {size!r}"
-    config_file = Path(base).expanduser() / "config.json"
-    if not config_file.is_file():
-        return None, base  # a Hugging Face id or a registry URI: checked when it is loaded
-    try:
-        data: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{config_file} (sft.base_model) is not a readable model config: {err}") from None
-    positions = data.get("n_positions") or data.get("max_position_embeddings")
-    return (int(positions) if isinstance(positions, int) else None), f"sft.base_model {base!r}"
+    if POLICY_KEY not in models.folders:
+        return None, base  # a registry URI or a hub id still to download: checked when it is loaded
+    model_config = models.config(POLICY_KEY)
+    positions = getattr(model_config, "n_positions", None) or getattr(model_config, "max_position_embeddings", None)
+    return (positions if isinstance(positions, int) else None), f"sft.base_model {base!r}"

@@ -1,9 +1,11 @@
 """The reward-model stage: the proxy reward model PPO optimises, and the held-out one only evaluation sees.
 
 The proxy learns the train pairs and is evaluated on the held-out pairs; the held-out reward model learns the
-held-out pairs (which the proxy never saw) and is evaluated on a sample of the train pairs. Both start from
-``reward_model.init`` ('sft': the SFT policy's backbone with a fresh scalar head; 'scratch'; or a reward model)
-with their own seeds. The artifact holds ``proxy/`` and ``heldout/`` (model + tokenizer), the loss and score plots
+held-out pairs (which the proxy never saw) and is evaluated on a sample of the train pairs. The proxy starts from
+``reward_model.init`` and the held-out one from ``reward_model.heldout_init`` (default: the same): 'sft' (the SFT
+policy's backbone with a fresh scalar head), 'scratch', or any sequence-classification or base checkpoint, decoder or
+encoder, with its own tokenizer (a fresh scalar head unless it already is a 1-output classifier), each with its own
+seed. The artifact holds ``proxy/`` and ``heldout/`` (model + tokenizer), the loss and score plots
 and ``metrics.json``; publishing registers both (alias ``candidate``; ``champion`` when the name has none yet).
 """
 
@@ -13,26 +15,29 @@ import logging
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.evaluation.metrics import pairwise_agreement, spearman
 from rlhf_core.models.lm import ModelSize, build_reward_model, config_for_tokenizer
-from rlhf_core.models.roles import fuse_activations, load_reward_model, sequence_scores
+from rlhf_core.models.families import describe, max_positions, score_prefix
+from rlhf_core.models.roles import init_reward_model, sequence_scores
 from rlhf_core.models.text import pad_id, right_pad
+from rlhf_core.models.tokenizer import SpecialTokens
 from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
 from tasks.config import DistributedSection, PipelineConfig, RewardModelSection
 from tasks.io import read_pairs, write_json
 from tasks.launch import fit_reward_model
+from tasks.models import load_tokenizer
 from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
+from tasks.typed_yaml import flatten_for_params, one_line
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +59,17 @@ class Config:
     """What the reward-model stage is given."""
 
     reward_model: RewardModelSection
-    """init, and the proxy's and held-out model's training settings."""
+    """inits, their tokenizers' special tokens, and the proxy's and held-out model's training settings."""
     runtime: Runtime
     model_size: str | ModelSize | None = None
-    """Shape of a reward model built from scratch (``sft.model_size``; only with init 'scratch')."""
+    """Shape of a reward model built from scratch (``sft.model_size``; only when an init is 'scratch')."""
     distributed: DistributedSection | None = None
     """DeepSpeed workers for the training (None: in this process)."""
 
     @classmethod
     def of(cls, config: PipelineConfig) -> Config:
         section = config.reward_model
-        return cls(section, Runtime.of(config), config.sft.model_size if section.init == "scratch" else None,
+        return cls(section, Runtime.of(config), config.sft.model_size if "scratch" in section.inits else None,
                    config.distributed if config.distributed.runs(NAME) else None)
 
 
@@ -73,11 +78,11 @@ class Inputs:
     data: Artifact
     """data-prep: train and held-out pairs."""
     sft: ModelInput | None
-    """The SFT policy: backbone ('sft') or tokenizer and shape ('scratch'); None when init is a reward model."""
+    """The SFT policy: backbone ('sft') or tokenizer and shape ('scratch'); None when neither init uses it."""
 
     @classmethod
     def of(cls, cfg: Config, data: Artifact, sft: ModelInput) -> Inputs:
-        return cls(data, sft if cfg.reward_model.init in ("sft", "scratch") else None)
+        return cls(data, sft if {"sft", "scratch"} & set(cfg.reward_model.inits) else None)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ def model_input(artifact: Artifact, role: str) -> ModelInput:
 @dataclass(frozen=True)
 class _Fitted:
     model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    max_length: int
     history: RewardTrainingResult
     metrics: dict[str, float]
 
@@ -109,19 +116,16 @@ class _Fitted:
 def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     section, data = cfg.reward_model, inputs.data
     train, heldout = read_pairs(data.path(data.result["train_pairs"])), read_pairs(data.path(data.result["heldout_pairs"]))
-    init_dir, tokenizer = resolve_init(section.init, inputs.sft)
     cross_sample = _sample(train, MAX_CROSS_EVAL_PAIRS, section.heldout.seed)
     ctx.tracker.flush_every = FLUSH_EVERY
-    proxy = _fit("proxy", _init_model(cfg, init_dir, tokenizer, section.training.seed), tokenizer, train, heldout,
-                 section.training, cfg, ctx)
-    held = _fit("heldout", _init_model(cfg, init_dir, tokenizer, section.heldout.seed), tokenizer, heldout,
-                cross_sample, section.heldout, cfg, ctx)
-    cross, proxy_scores = _cross_metrics(proxy.model, held.model, tokenizer, heldout, section.training.max_length)
+    proxy = _fit("proxy", *_start(cfg, "proxy", inputs.sft), train, heldout, cfg, ctx)
+    held = _fit("heldout", *_start(cfg, "heldout", inputs.sft), heldout, cross_sample, cfg, ctx)
+    cross, proxy_scores = _cross_metrics(proxy, held, heldout)
     metrics = {**proxy.metrics, **held.metrics, **cross}
     plots = _plots(ctx.out, proxy.history, held.history, proxy_scores)
     for role, fitted in (("proxy", proxy), ("heldout", held)):
         fitted.model.save_pretrained(ctx.out / role)
-        tokenizer.save_pretrained(ctx.out / role)
+        fitted.tokenizer.save_pretrained(ctx.out / role)
     write_json({"metrics": metrics}, ctx.out / METRICS_FILE)
     log.info("reward-model: proxy held-out accuracy %.3f, held-out RM accuracy %.3f on train pairs",
              metrics["rm/proxy/eval/accuracy"], metrics["rm/heldout/eval/accuracy"])
@@ -134,46 +138,60 @@ def _sample(pairs: Sequence[PreferencePair], limit: int, seed: int) -> list[Pref
     return list(pairs) if len(pairs) <= limit else random.Random(seed).sample(list(pairs), limit)
 
 
-def resolve_init(init: str, sft: ModelInput | None) -> tuple[str | None, PreTrainedTokenizerBase]:
-    """(local folder of the initial weights or None for 'scratch', tokenizer) for ``reward_model.init``.
+def resolve_init(init: str, sft: ModelInput | None, tokens: SpecialTokens = SpecialTokens(),
+                 setting: str = "reward_model.init") -> tuple[str | None, PreTrainedTokenizerBase]:
+    """(local folder of the initial weights or None for 'scratch', tokenizer) for a reward-model init.
 
-    'sft' and 'scratch' take the tokenizer from the SFT policy; a path or ``models:/`` URI of an existing
-    reward model brings its own.
+    'sft' and 'scratch' take the tokenizer from the SFT policy; a path, ``models:/`` URI or hub id brings its own, its
+    special tokens resolved with ``tokens`` (``reward_model.tokens``).
     """
     if init in ("sft", "scratch"):
         if sft is None:
-            raise ValueError(f"reward_model.init={init!r} needs the SFT policy")
+            raise ValueError(f"{setting}={init!r} needs the SFT policy")
         return (sft.path if init == "sft" else None), _load_tokenizer(sft.path, "the SFT policy")
     init_dir = local_model(init)
-    return init_dir, _load_tokenizer(init_dir, "reward_model.init")
+    return init_dir, _load_tokenizer(init_dir, setting, tokens)
 
 
-def _load_tokenizer(path: str, setting: str) -> PreTrainedTokenizerBase:
+def _load_tokenizer(path: str, setting: str, tokens: SpecialTokens = SpecialTokens()) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{setting}: no tokenizer can be loaded from {path!r} ({err}); give a folder saved with "
-                         "save_pretrained (model + tokenizer)") from err
+        return load_tokenizer(path, tokens, "reward_model.tokens")
+    except (OSError, TypeError) as err:
+        raise ValueError(f"{setting}: no tokenizer can be loaded from {path!r} ({one_line(str(err))}); give a folder saved "
+                         "with save_pretrained (model + tokenizer)") from err
 
 
-def _init_model(cfg: Config, init_dir: str | None, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """A 1-output sequence classifier on the configured device: SFT backbone + fresh head, fresh, or loaded."""
+def _start(cfg: Config, role: str, sft: ModelInput | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase,
+                                                                    RewardTrainingConfig]:
+    """The ``role`` reward model's starting weights (a 1-output sequence classifier on the configured device), its
+    tokenizer (SFT backbone + fresh head, fresh, or any checkpoint: continued, or under a fresh head) and its training
+    settings, ``max_length`` cut to the model's positions."""
+    section = cfg.reward_model
+    init, setting = section.init_of(role), "reward_model.init" if role == "proxy" else "reward_model.heldout_init"
+    init_dir, tokenizer = resolve_init(init, sft, section.tokens, setting)
+    training = section.training if role == "proxy" else section.heldout
+    seed, dtype = training.seed, cfg.runtime.torch_dtype
     torch.manual_seed(seed)  # the fresh score head (and a scratch model) differ per seed, reproducibly
-    init, dtype = cfg.reward_model.init, cfg.runtime.torch_dtype
     if init == "scratch":
         model = build_reward_model(config_for_tokenizer(tokenizer, cfg.model_size), seed).to(dtype)
-    elif init == "sft":
-        model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(
-            init_dir, num_labels=1, dtype=dtype, pad_token_id=pad_id(tokenizer)))
     else:
-        model = load_reward_model(init_dir, dtype)
-    # The head reads the last real token by looking for padding; the tokenizer's pad id must be the model's.
+        model, fresh = init_reward_model(init_dir, seed, dtype, pad_id(tokenizer))
+        if init != "sft":
+            log.info("reward-model %s: %s from %s (%s)", role, describe(model), init,
+                     "a fresh scalar head on its weights" if fresh else "continuing its 1-output head")
+    # The tokenizer's pad id is the model's (a decoder head reading the last non-pad token would otherwise misread).
     model.config.pad_token_id = pad_id(tokenizer)
-    return model.to(cfg.runtime.torch_device)
+    score_prefix(model, tokenizer)  # an encoder without a [CLS] / bos fails here, naming the setting
+    positions = max_positions(model)
+    if positions is not None and training.max_length > positions:  # as sft does: no longer than the model reads
+        log.info("reward-model %s: max_length %d cut to the %d positions of %s", role, training.max_length, positions,
+                 init)
+        training = replace(training, max_length=positions)
+    return model.to(cfg.runtime.torch_device), tokenizer, training
 
 
-def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
-         evaluate_on: Sequence[PreferencePair], training: RewardTrainingConfig, cfg: Config,
+def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, training: RewardTrainingConfig,
+         train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair], cfg: Config,
          ctx: StageContext) -> _Fitted:
     """Train one reward model, log its curve under ``rm/<role>/``, and return its final metrics."""
     steps = training.epochs * math.ceil(len(train) / training.batch_size)
@@ -193,14 +211,14 @@ def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     metrics = {f"rm/{role}/eval/{k}": float(v) for k, v in asdict(history.final_eval).items()}
     metrics |= {f"rm/{role}/train/final_loss": history.train_loss[-1], f"rm/{role}/train/steps": float(steps),
                 f"rm/{role}/train/seconds": history.seconds, f"rm/{role}/train/n_truncated": float(history.n_truncated)}
-    return _Fitted(model.eval(), history, metrics)
+    return _Fitted(model.eval(), tokenizer, training.max_length, history, metrics)
 
 
 @torch.no_grad()
 def pair_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair],
                 max_length: int, batch_size: int = 64) -> tuple[list[float], list[float]]:
     """Scores of every chosen and every rejected reply, in pair order: ((N,), (N,)) as lists."""
-    encoded = encode_pairs(tokenizer, pairs, max_length)
+    encoded = encode_pairs(tokenizer, pairs, max_length, score_prefix(model, tokenizer))
     device, chosen, rejected = next(model.parameters()).device, [], []
     for start in range(0, len(pairs), batch_size):
         c, r = encoded.chosen[start:start + batch_size], encoded.rejected[start:start + batch_size]
@@ -211,16 +229,16 @@ def pair_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pair
     return chosen, rejected
 
 
-def _cross_metrics(proxy: PreTrainedModel, heldout: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                   pairs: Sequence[PreferencePair], max_length: int) -> tuple[dict[str, float], dict[str, list]]:
+def _cross_metrics(proxy: _Fitted, heldout: _Fitted,
+                   pairs: Sequence[PreferencePair]) -> tuple[dict[str, float], dict[str, list]]:
     """How far the proxy agrees with the held-out RM on the held-out pairs (unseen by the proxy).
 
     ``rm/cross/agreement``: share of pairs both RMs order the same way, a pair either ties counting half (the
     accuracy tie rule); ``rm/cross/spearman``: rank correlation of their scores over all replies. Also returns the
     proxy's scores for the histogram.
     """
-    p_chosen, p_rejected = pair_scores(proxy, tokenizer, pairs, max_length)
-    h_chosen, h_rejected = pair_scores(heldout, tokenizer, pairs, max_length)
+    p_chosen, p_rejected = pair_scores(proxy.model, proxy.tokenizer, pairs, proxy.max_length)
+    h_chosen, h_rejected = pair_scores(heldout.model, heldout.tokenizer, pairs, heldout.max_length)
     p_margin = torch.tensor(p_chosen, dtype=torch.float64) - torch.tensor(p_rejected, dtype=torch.float64)
     h_margin = torch.tensor(h_chosen, dtype=torch.float64) - torch.tensor(h_rejected, dtype=torch.float64)
     metrics = {"rm/cross/agreement": pairwise_agreement(p_margin, h_margin),

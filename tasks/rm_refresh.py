@@ -24,22 +24,52 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig, RewardTrainingConfig
-from rlhf_core.data import PREFERENCE_PAIRS, QUARANTINE, DataPrepConfig, QuarantineReason, SourceRow
+from rlhf_core.data import (
+    PREFERENCE_PAIRS,
+    QUARANTINE,
+    DataPrepConfig,
+    QuarantineReason,
+    SourceRow,
+)
 from rlhf_core.data.schema import CHOSEN, PROMPT, REASON, REJECTED
 from rlhf_core.demo.annotator import SimulatedAnnotator
-from rlhf_core.evaluation.annotators import (Annotator, PerPairAnnotator, ReplyPair, RewardModelJudge,
-                                             preference_pairs, sample_reply_pairs)
+from rlhf_core.evaluation.annotators import (
+    Annotator,
+    PerPairAnnotator,
+    ReplyPair,
+    RewardModelJudge,
+    preference_pairs,
+    sample_reply_pairs,
+)
+from rlhf_core.models.families import score_prefix
 from rlhf_core.models.roles import freeze, load_reward_model
-from rlhf_core.training.refresh import (draw_prompts, promotion, refresh_seed, replay_sample, split_by_prompt,
-                                        training_config)
-from rlhf_core.training.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.training.refresh import (
+    draw_prompts,
+    promotion,
+    refresh_seed,
+    replay_sample,
+    split_by_prompt,
+    training_config,
+)
+from rlhf_core.training.reward_training import (
+    PreferencePair,
+    encode_pairs,
+    evaluate_reward_model,
+    train_reward_model,
+)
 from tasks.config import PipelineConfig, RefreshSection
 from tasks.io import read_pairs, read_parquet, read_prompts, write_json, write_parquet
-from tasks.labelling import export_unlabelled, import_labels, preference_rows, to_pairs, validate_preferences
-from tasks.models import load_frozen_lm
+from tasks.labelling import (
+    export_unlabelled,
+    import_labels,
+    preference_rows,
+    to_pairs,
+    validate_preferences,
+)
+from tasks.models import load_frozen_lm, load_tokenizer
 from tasks.refresh_eval import gold_judged_onpolicy
 from tasks.run_store import Artifact, LocalPath
 from tasks.runtime import ModelInput, Runtime, local_model
@@ -160,7 +190,7 @@ class _Pairs:
 
 def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     pairs = _prepare_pairs(cfg, inputs, ctx)
-    tokenizer = AutoTokenizer.from_pretrained(inputs.proxy.path)
+    tokenizer = load_tokenizer(inputs.proxy.path)
     model = load_reward_model(inputs.proxy.path, cfg.runtime.torch_dtype).to(cfg.runtime.torch_device)
     judged = {"onpolicy": pairs.onpolicy, "heldout": pairs.heldout,
               "onpolicy_gold": gold_judged_onpolicy(cfg.gold, pairs.onpolicy)}
@@ -274,7 +304,7 @@ def build_annotator(cfg: Config, inputs: Inputs) -> Annotator:
     if section.annotator == "rm_judge":
         judge_dir = local_model(section.judge_model) if section.judge_model else inputs.judge.path
         judge = freeze(load_reward_model(judge_dir, cfg.runtime.torch_dtype).to(cfg.runtime.torch_device))
-        return RewardModelJudge(judge, AutoTokenizer.from_pretrained(judge_dir), cfg.judge_max_length,
+        return RewardModelJudge(judge, load_tokenizer(judge_dir), cfg.judge_max_length,
                                 cfg.judge_batch_size)
     raise ValueError(f"refresh.annotator={section.annotator!r} labels through files (tasks/labelling.py), "
                      "not in process")
@@ -300,7 +330,8 @@ def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     for name, pairs in judged.items():
         if not pairs:
             continue
-        result = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, pairs, cfg.max_length), cfg.batch_size)
+        result = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, pairs, cfg.max_length,
+                                                                    score_prefix(model, tokenizer)), cfg.batch_size)
         metrics |= {f"refresh/{name}_accuracy_{when}": result.accuracy, f"refresh/{name}_loss_{when}": result.loss,
                     f"refresh/{name}_margin_{when}": result.margin_mean}
     return metrics

@@ -5,7 +5,10 @@ Three cases, by config and data:
   (``sft.model_size``), then fine-tune it on the demonstrations;
 - a base model and ``sft.enabled``: fine-tune it on the demonstrations;
 - a base model and ``sft.enabled=false``, or user data (no demonstrations): use it as it is. The artifact then
-  records where the model is instead of copying it.
+  records where the model is instead of copying it - unless ``sft.tokens`` changes its tokenizer's special tokens:
+  then the model is saved into the artifact with the changed tokenizer, so every later stage reads the same tokens.
+A base model must be a causal LM (refused in one line otherwise); its tokenizer's eos / pad come from ``sft.tokens``,
+its own, or the fallbacks (``rlhf_core.models.tokenizer.resolve_special_tokens``).
 On the demo task the policy's greedy and sampled replies to the first evaluation prompts are judged by the gold
 scorer next to the demonstrations: evaluation only, after training, reported in the artifact's metrics.
 """
@@ -16,23 +19,24 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data import PREFERENCE_PAIRS
 from rlhf_core.demo.tables import EVAL_PROMPTS, REPLY, SFT_DEMONSTRATIONS
 from rlhf_core.evaluation.demo_eval import PolicyGoldReport, gold_report, record_from_row
 from rlhf_core.models.lm import ModelSize, build_causal_lm, config_for_tokenizer, count_parameters, model_size
-from rlhf_core.models.roles import fuse_activations
-from rlhf_core.models.tokenizer import train_bpe_tokenizer
+from rlhf_core.models.roles import check_causal_lm, fuse_activations
+from rlhf_core.models.tokenizer import SpecialTokens, train_bpe_tokenizer
 from rlhf_core.training.sft import SFTResult, eval_loss, train_sft
 from tasks.config import PipelineConfig, SFTSection
 from tasks.io import read_parquet, write_json
+from tasks.models import load_tokenizer
 from tasks.plots import loss_curve, save_figure
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
+from tasks.typed_yaml import flatten_for_params, one_line
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +108,14 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
                              "(a local folder, a models:/ URI or a Hugging Face id)")
         log.info("sft: user data has no demonstrations; using %s as the SFT policy", section.base_model)
         write_json({"base_model": section.base_model}, ctx.out / METRICS_JSON)
+        if section.tokens != SpecialTokens():  # the changed tokenizer must travel with the model
+            _save_policy(*load_base(local_model(section.base_model), section.tokens), ctx.out / MODEL_DIR)
+            return Result(MODEL_DIR, external=False, trained=False, metrics_file=METRICS_JSON)
         return Result(outside_model(section.base_model), external=True, trained=False, metrics_file=METRICS_JSON)
     train = read_demonstrations(inputs.data.path(data["sft_train"]))
     held_out = read_demonstrations(inputs.data.path(data["sft_eval"]))
     if section.base_model is not None:
-        model, tokenizer = load_base(local_model(section.base_model))
+        model, tokenizer = load_base(local_model(section.base_model), section.tokens)
     else:
         model, tokenizer = build_policy(train, inputs.data.path(data["train_pairs"]), cfg)
     model = model.to(cfg.runtime.torch_device)
@@ -122,8 +129,7 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
         _write_loss_curve(history, ctx.out / LOSS_JSON)
         _plot_loss(history, ctx.out / LOSS_PNG)
         outputs.update(loss_curve=LOSS_JSON, loss_plot=LOSS_PNG)
-        model.save_pretrained(ctx.out / MODEL_DIR)
-        tokenizer.save_pretrained(ctx.out / MODEL_DIR)
+        _save_policy(model, tokenizer, ctx.out / MODEL_DIR)
     else:
         metrics = {"sft/final_eval_loss": eval_loss(model, tokenizer, held_out, sft_config.max_length,
                                                     sft_config.eval_batch_size)}
@@ -135,8 +141,16 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
         outputs["samples"] = SAMPLES_JSON
     log.info("sft stage metrics: %s", {k: round(v, 4) for k, v in metrics.items()})
     write_json({"metrics": metrics, "trained": trained, "base_model": section.base_model}, ctx.out / METRICS_JSON)
-    model_ref = MODEL_DIR if trained else outside_model(section.base_model)
-    return Result(model_ref, not trained, trained, METRICS_JSON, metrics, **outputs)
+    saved = trained or section.tokens != SpecialTokens()
+    if not trained and saved:  # used as it is, with the tokenizer sft.tokens changed: both travel in the artifact
+        _save_policy(model, tokenizer, ctx.out / MODEL_DIR)
+    model_ref = MODEL_DIR if saved else outside_model(section.base_model)
+    return Result(model_ref, not saved, trained, METRICS_JSON, metrics, **outputs)
+
+
+def _save_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def outside_model(base_model: str) -> str:
@@ -165,13 +179,18 @@ def build_policy(train: Demonstrations, pairs_path: Path, cfg: Config) -> tuple[
     return model, tokenizer
 
 
-def load_base(folder: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model and tokenizer from a Hugging Face folder or cached model id."""
+def load_base(folder: str, tokens: SpecialTokens = SpecialTokens()) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model (a causal LM: ``roles.check_causal_lm``) and tokenizer (special tokens resolved with ``sft.tokens``)
+    from a Hugging Face folder or cached model id."""
     try:
-        return fuse_activations(AutoModelForCausalLM.from_pretrained(folder)), AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder, tokens, "sft.tokens")
     except OSError as err:
-        raise ValueError(f"sft.base_model {folder!r} cannot be loaded ({err}); give a local Hugging Face folder "
-                         "(save_pretrained layout) or a model id present in the local cache") from err
+        raise ValueError(f"sft.base_model {folder!r} cannot be loaded ({one_line(str(err))}); give a local Hugging Face "
+                         "folder (save_pretrained layout) or a model id present in the local cache") from err
+    except ValueError as err:
+        raise ValueError(f"sft.base_model {folder!r}: {one_line(str(err))}") from None
+    return fuse_activations(check_causal_lm(model, f"sft.base_model {folder!r}")), tokenizer
 
 
 def _fit_to_model(section: SFTSection, model: PreTrainedModel) -> SFTSection:

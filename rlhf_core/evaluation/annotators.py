@@ -22,9 +22,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data.split import pair_id
+from rlhf_core.models.families import score_prefix
 from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.scoring import decode_rollout
-from rlhf_core.models.text import encode_pair, encode_prompt, keep_tail, pad_id, right_pad
+from rlhf_core.models.text import (
+    encode_pair,
+    encode_prompt,
+    keep_tail,
+    pad_id,
+    right_pad,
+)
 from rlhf_core.training.reward_training import PreferencePair
 from rlhf_core.training.rollout import generate_in_batches
 
@@ -78,8 +85,8 @@ class PerPairAnnotator:
 class RewardModelJudge:
     """An :class:`Annotator` that prefers the reply its reward model scores higher (ties go to ``reply_a``).
 
-    Each side is scored as ``prompt + reply + eos`` (the reward model's training layout), cut to its last
-    ``max_length`` tokens.
+    Each side is scored as ``prompt + reply + eos`` behind the model's prefix (an encoder's ``[CLS]``): the reward
+    model's training layout, cut to its last ``max_length`` tokens.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024,
@@ -88,6 +95,7 @@ class RewardModelJudge:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
+        self.prefix = score_prefix(model, tokenizer)
 
     @torch.no_grad()
     def scores(self, pairs: Sequence[ReplyPair]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +119,7 @@ class RewardModelJudge:
         return (a_scores >= b_scores).tolist()
 
     def _encode(self, prompt: str, reply: str) -> list[int]:
-        return keep_tail(encode_pair(self.tokenizer, prompt, reply), self.max_length)[0]
+        return keep_tail(encode_pair(self.tokenizer, prompt, reply), self.max_length, self.prefix)[0]
 
 
 def preference_pairs(pairs: Sequence[ReplyPair], prefers_a: Sequence[bool]) -> list[PreferencePair]:

@@ -1,6 +1,7 @@
 """Models and text: building, loading and running the PPO roles, and turning text into token ids.
 
 - ``roles``: policy, frozen reference, reward model, value model (``ValueHead`` / ``Critic``) and their forwards.
+- ``families``: what kind of checkpoint a model is (causal or not, where its score is read, its head), from the model.
 - ``lm``: small GPT-2 models built from a config (no downloads).
 - ``lm_head``: the output layer applied at chosen positions only.
 - ``lora``: LoRA adapters sharing one copy of the frozen base weights (the only module that imports peft).

@@ -79,7 +79,7 @@ def tiny_gpt_config(
     if len({pad_token_id, bos_token_id, eos_token_id}) != 3:
         raise ValueError(
             f"pad/bos/eos ids must be distinct, got {pad_token_id}/{bos_token_id}/{eos_token_id}; "
-            "pad == eos would mask the stop token"
+            "the GPT built here keeps them apart"
         )
     return GPT2Config(
         vocab_size=vocab_size,

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf_core.config import LoRAConfig
-from rlhf_core.models.roles import as_input_of, disable_dropout, keep_in_float32, split_classifier
+from rlhf_core.models.roles import as_input_of, disable_dropout, keep_in_float32, score_head, split_classifier
 from rlhf_core.training.rollout import positions_from_mask
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,6 +43,11 @@ DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "gemma": _LLAMA_LIKE,
     "gemma2": _LLAMA_LIKE,
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    # Encoders (reward models): attention projections and every "dense" (attention output, feed-forward, pooler).
+    "bert": ("query", "key", "value", "dense"),
+    "roberta": ("query", "key", "value", "dense"),
+    "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),
 }
 
 
@@ -210,10 +215,12 @@ class LoRACritic(nn.Module):
 def add_training_adapter(model: PreTrainedModel, config: LoRAConfig, seed: int = 0) -> PeftModel:
     """Reward-model training: an adapter on ``model`` (in place) with the score head fully trainable (the caller
     holds it in float32: ``reward_training.train_reward_model``)."""
-    _, head = split_classifier(model)
-    head_names = [name for name, module in model.named_modules() if module is head]
+    heads = score_head(model)
+    inside = {id(m) for head in heads for m in head.modules()}
+    head_names = [name for name, module in model.named_modules() if id(module) in inside]
     wrapped = add_adapter(model, config, seed, exclude=tuple(head_names))
-    head.requires_grad_(True)
+    for head in heads:
+        head.requires_grad_(True)
     return wrapped
 
 

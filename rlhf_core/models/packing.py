@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_core.models.families import attention_is_causal
 from rlhf_core.training.rollout import positions_from_mask
 
 
@@ -98,7 +99,8 @@ def supports_packing(model: torch.nn.Module) -> bool:
     """Whether ``model`` keeps packed sequences apart by their position ids.
 
     True for a transformers model, or a PEFT / DeepSpeed wrapper of one (they pass keyword arguments through),
-    whose modeling code builds its attention masks with ``transformers.masking_utils.create_causal_mask``:
+    whose attention modules are all causal (``families.attention_is_causal``; an encoder's modeling file may import
+    the causal-mask helper and still attend both ways) and whose modeling code builds its attention masks with ``transformers.masking_utils.create_causal_mask``:
     given position ids, no attention mask and no cache, that mask lets a token attend only to earlier tokens
     of its own sequence. Anything else (older modeling code, custom modules) runs the padded forward.
     """
@@ -110,6 +112,8 @@ def supports_packing(model: torch.nn.Module) -> bool:
         return False
     inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if inner is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return False
+    if attention_is_causal(inner) is not True:  # an encoder attends both ways: packed sequences would see each other
         return False
     modeling = sys.modules.get(type(inner).__module__)
     uses_masks = getattr(modeling, "create_causal_mask", None) is masking_utils.create_causal_mask

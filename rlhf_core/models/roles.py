@@ -1,9 +1,11 @@
 """The four PPO roles and the forward passes over ``[query | response]`` batches.
 
-- policy: ``AutoModelForCausalLM`` (trainable); reference: a frozen copy of it;
-- reward model: ``AutoModelForSequenceClassification(num_labels=1)``, score read at the last real token;
+- policy: ``AutoModelForCausalLM`` whose attention is causal (trainable); reference: a frozen copy of it;
+- reward model: ``AutoModelForSequenceClassification(num_labels=1)``, decoder or encoder: a decoder's score is read
+  at the last real token, an encoder's where its architecture reads it (its pooled / first token;
+  ``families.reads_last_token``);
 - value model: a linear head on the policy's last hidden state, or a separate critic initialised from
-  the reward model (its backbone and its score head, applied at every token).
+  a decoder reward model (its backbone and its score head, applied at every token).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
+from rlhf_core.models.families import describe, head_modules, is_causal, per_token_head, reads_last_token
 from rlhf_core.models.lm_head import split_lm_head
 from rlhf_core.models.packing import padded_forward
 from rlhf_core.ppo.masking import entropy_from_logits, last_token_index, logprobs_from_logits
@@ -51,10 +54,21 @@ def keep_in_float32(module: nn.Module) -> nn.Module:
     For what trains on a half-precision base: value and score heads (LoRA's A and B are upcast by peft,
     ``lora.add_adapter``). bf16 keeps 8 significant bits, so an Adam step of ~lr = 5e-5 on a weight with
     |w| >= 2^-6 is under half the spacing between bf16 numbers there and rounds away: the head never moves.
-    Its forward casts its input to the weight's dtype (:func:`as_input_of`); under bf16 autocast the matmul
-    still runs in bf16, and only the stored weight (and so the update) keeps full precision.
+    Its inputs are cast to its weights' dtype on the way in (a forward pre-hook, so an encoder's own classification
+    forward works too; :func:`as_input_of` does the same for heads called here); under bf16 autocast the matmul still
+    runs in bf16, and only the stored weight (and so the update) keeps full precision.
     """
-    return module.float()
+    module.float()
+    if not getattr(module, "_casts_inputs", False):
+        module.register_forward_pre_hook(_inputs_to_weight_dtype)
+        module._casts_inputs = True
+    return module
+
+
+def _inputs_to_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    return tuple(a.to(dtype) if dtype is not None and isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
 
 
 def as_input_of(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -70,8 +84,23 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM (Hugging Face id or local directory) with dropout off."""
-    return fuse_activations(disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=dtype)))
+    """Load a causal LM (Hugging Face id or local directory) with dropout off; refuse one whose attention is not
+    causal (:func:`check_causal_lm`)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except ValueError as err:  # no causal-LM class for this config (an encoder-only family)
+        raise ValueError(f"{path}: a policy must be a causal LM (GPT-2, Llama, Qwen, ...); "
+                         f"{str(err).splitlines()[0]}") from None
+    return fuse_activations(disable_dropout(check_causal_lm(model, path)))
+
+
+def check_causal_lm(model: PreTrainedModel, source: str) -> PreTrainedModel:
+    """``model``, or ValueError in one line when its attention lets a token see later tokens (an encoder loaded as
+    an LM head, e.g. ``BertLMHeadModel`` without ``is_decoder``): such a "policy" would learn from the future."""
+    if not is_causal(model):
+        raise ValueError(f"{source}: {describe(model)} attends to later tokens; a policy must be a causal LM "
+                         "(GPT-2, Llama, Qwen, ...): use an encoder as a reward model (reward_model.init) instead")
+    return model
 
 
 def make_reference(policy: nn.Module) -> nn.Module:
@@ -80,28 +109,50 @@ def make_reference(policy: nn.Module) -> nn.Module:
 
 
 def load_reward_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a 1-label sequence classifier and check it really has one output."""
+    """Load a trained reward model (a 1-output sequence classifier, decoder or encoder) and check it has one output."""
     model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype))
     if model.config.num_labels != 1:
         raise ValueError(
             f"reward model at {path} has num_labels={model.config.num_labels}; a reward model needs "
-            "num_labels=1 (one scalar score per sequence)"
+            "num_labels=1 (one scalar score per sequence); start training from it with reward_model.init instead"
         )
     return model
 
 
-def split_classifier(model: PreTrainedModel) -> tuple[nn.Module, nn.Linear]:
-    """The backbone and the linear score head of a sequence classifier (GPT-2/Llama/Mistral style).
+def init_reward_model(path: str, seed: int, dtype: torch.dtype = torch.float32,
+                      pad_token_id: int | None = None) -> tuple[PreTrainedModel, bool]:
+    """The starting point of reward-model training from any checkpoint: ``(model, fresh_head)``.
 
-    Heads that pool internally (e.g. RoBERTa's dense+proj on <s>) are not per-token and cannot serve a
-    critic; the error says so.
+    A 1-output sequence classifier is continued as it is; anything else (a base model, a causal LM, a classifier
+    with another number of labels) loads its backbone under a fresh scalar head drawn after
+    ``torch.manual_seed(seed)``, so the two reward models of a run start apart and a rerun starts the same.
     """
+    config = AutoConfig.from_pretrained(path)
+    classifier = any(name.endswith("ForSequenceClassification") for name in (config.architectures or []))
+    extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    torch.manual_seed(seed)
+    if classifier and config.num_labels == 1:
+        return fuse_activations(AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, **extra)), False
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, ignore_mismatched_sizes=classifier, **extra)
+    except ValueError as err:  # no sequence-classification class for this config
+        raise ValueError(f"{path}: cannot be a reward model ({str(err).splitlines()[0]})") from None
+    return fuse_activations(model), True
+
+
+def split_classifier(model: PreTrainedModel) -> tuple[nn.Module, nn.Linear]:
+    """The backbone and the per-token linear score head of a decoder sequence classifier (GPT-2 / Llama / Mistral /
+    Qwen / GPT-NeoX style), for a critic that scores every position.
+
+    An encoder's head reads its pooled / first token and has no per-token meaning; the error says so.
+    """
+    head = per_token_head(model)
     backbone = getattr(model, model.base_model_prefix, None)
-    head = getattr(model, "score", None)
-    if backbone is None or not isinstance(head, nn.Linear):
+    if backbone is None or head is None:
         raise ValueError(
-            f"{type(model).__name__} has no per-token linear 'score' head; use a decoder reward model "
-            "(GPT-2, Llama, Mistral, Qwen ...) or ppo.value_model='head'"
+            f"{describe(model)} has no per-token linear 'score' head (its score is read from one position), so it "
+            "cannot be a critic; use ppo.value_model='head', or a decoder reward model (GPT-2, Llama, Qwen, ...)"
         )
     return backbone, head
 
@@ -114,14 +165,26 @@ def token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward-model score read at the LAST REAL token of each row. (B, T), (B, T) -> (B,).
+    """Reward-model score of each row. (B, T), (B, T) -> (B,).
 
-    Works for left, right or mixed padding because the index comes from the attention mask, not from
-    searching for pad ids (which breaks when pad == eos).
+    A decoder's is read at the LAST REAL token (for left, right or mixed padding: the index comes from the attention
+    mask, not from searching for pad ids, which breaks when pad == eos); the forward is padding-free. An encoder's
+    comes from its own classification forward (its pooled / first token: rows must start with the tokenizer's
+    ``[CLS]``, ``families.score_prefix``, and be right padded).
     """
+    if not reads_last_token(model):
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
     per_token = token_scores(model, input_ids, attention_mask)
     last = last_token_index(attention_mask.bool())
     return per_token.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def score_head(model: PreTrainedModel) -> list[nn.Module]:
+    """The modules of a reward model's classification head (trained in full, held in float32)."""
+    modules = [module for _, module in head_modules(model)]
+    if not modules:
+        raise ValueError(f"{describe(model)} has no classification head to train")
+    return modules
 
 
 class ValueHead(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.models.families import max_positions, score_prefix
 from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.text import keep_tail, pad_id, right_pad, same_vocabulary
 from rlhf_core.training.rollout import Rollout
@@ -66,10 +67,12 @@ def decode_rollout(rollout: Rollout, tokenizer: PreTrainedTokenizerBase) -> tupl
 
 
 class RewardModelScorer:
-    """Scores with a frozen sequence-classification reward model at the last real token.
+    """Scores with a frozen sequence-classification reward model (decoder or encoder; ``roles.sequence_scores``).
 
-    With the policy's tokenizer the ids are used as they are; with a different tokenizer the text is
-    decoded and re-tokenized (eos appended only for responses that stopped).
+    A decoder with the policy's tokenizer takes the rollout's ids as they are. With a different tokenizer the text is
+    decoded and re-tokenized (eos appended only for responses that stopped); an encoder's rows are laid out right
+    padded behind its ``[CLS]`` (``families.score_prefix``), from the same ids when it shares the policy's
+    vocabulary. Rows longer than ``max_length`` (or the model's positions) keep their end.
     """
 
     def __init__(
@@ -84,7 +87,9 @@ class RewardModelScorer:
         self.policy_tokenizer = policy_tokenizer
         self.rm_tokenizer = rm_tokenizer or policy_tokenizer
         self.retokenize = not same_vocabulary(policy_tokenizer, self.rm_tokenizer)
-        self.max_length = max_length
+        self.prefix = score_prefix(model, self.rm_tokenizer)
+        positions = max_positions(model)
+        self.max_length = max_length if positions is None else min(max_length, positions)
         self.batch_size = batch_size
         self._identity: str | None = None
 
@@ -99,9 +104,23 @@ class RewardModelScorer:
         scores = []
         for start in range(0, rollout.query_ids.shape[0], self.batch_size):
             chunk = rollout.select(slice(start, start + self.batch_size))
-            ids, mask = self._retokenized(chunk) if self.retokenize else (chunk.input_ids, chunk.attention_mask)
+            if self.retokenize:
+                ids, mask = self._retokenized(chunk)
+            elif self.prefix:
+                ids, mask = self._laid_out(chunk)
+            else:
+                ids, mask = chunk.input_ids, chunk.attention_mask
             scores.append(sequence_scores(self.model, ids, mask))
         return torch.cat(scores)
+
+    def _rows(self, rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = right_pad([keep_tail(row, self.max_length, self.prefix)[0] for row in rows], pad_id(self.rm_tokenizer))
+        return ids.to(device), mask.to(device)
+
+    def _laid_out(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real ids of each row (prompt, then response with its stop token), behind the prefix."""
+        ids, mask = rollout.input_ids, rollout.attention_mask.bool()
+        return self._rows([ids[row][mask[row]].tolist() for row in range(ids.shape[0])], ids.device)
 
     def _retokenized(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         prompts, responses = decode_rollout(rollout, self.policy_tokenizer)
@@ -111,9 +130,8 @@ class RewardModelScorer:
             ids = tok(prompt, add_special_tokens=False)["input_ids"] + tok(response, add_special_tokens=False)["input_ids"]
             if stopped and tok.eos_token_id is not None:
                 ids.append(tok.eos_token_id)
-            rows.append(keep_tail(ids, self.max_length)[0])
-        ids, mask = right_pad(rows, pad_id(tok))
-        return ids.to(rollout.query_ids.device), mask.to(rollout.query_ids.device)
+            rows.append(ids)
+        return self._rows(rows, rollout.query_ids.device)
 
 
 class TextRewardFunction:

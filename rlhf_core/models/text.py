@@ -29,11 +29,12 @@ def encode_pair(
     return ids
 
 
-def keep_tail(ids: list[int], max_length: int) -> tuple[list[int], bool]:
-    """Cut a sequence to its last ``max_length`` tokens (the reply is at the end). Returns (ids, was_cut)."""
-    if len(ids) <= max_length:
-        return ids, False
-    return ids[-max_length:], True
+def keep_tail(ids: list[int], max_length: int, prefix: Sequence[int] = ()) -> tuple[list[int], bool]:
+    """``prefix`` + the last ``max_length - len(prefix)`` ids (the reply is at the end). Returns (ids, was_cut)."""
+    room = max_length - len(prefix)
+    if room < 1:
+        raise ValueError(f"max_length {max_length} leaves no room after the {len(prefix)} prefix token(s)")
+    return list(prefix) + ids[-room:], len(ids) > room
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,11 +49,11 @@ def right_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[to
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The tokenizer's pad id; refuses pad == eos because it hides the stop token from every mask."""
+    """The tokenizer's pad id (it may equal eos: masks, not ids, tell padding apart)."""
     if tokenizer.pad_token_id is None:
         raise ValueError(
-            f"tokenizer {tokenizer.name_or_path!r} has no pad token; add one distinct from eos "
-            "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model embeddings)"
+            f"tokenizer {tokenizer.name_or_path!r} has no pad token; set one in the config (sft.tokens.pad / "
+            "reward_model.tokens.pad), or load it through rlhf_core.models.tokenizer.resolve_special_tokens (pad = eos)"
         )
     return int(tokenizer.pad_token_id)
 

@@ -13,12 +13,13 @@ in SFT, reward-model training and rollouts. Callers append ``eos`` where a seque
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-#: Padding. Distinct from EOS on purpose: if pad == eos, masking the padding also masks the stop token,
-#: and a policy that never gets credit for its stop token never learns to stop.
+#: Padding. Distinct from EOS, so a padded batch reads unambiguously by eye; the code never tells padding from a
+#: stop token by id (every batch carries its mask), so a checkpoint whose pad falls back to eos works the same.
 PAD_TOKEN = "<|pad|>"
 #: Beginning of sequence. Not added automatically; available for models or callers that want one.
 BOS_TOKEN = "<|bos|>"
@@ -83,7 +84,8 @@ def wrap_tokenizer(backend: Tokenizer, model_max_length: int | None = None) -> P
 
 
 def check_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Raise if pad, bos or eos is missing or if two of them share an id (pad == eos breaks stopping)."""
+    """Raise if pad, bos or eos is missing or if two of them share an id: the tokenizer a GPT is built here for (its
+    config takes three distinct ids). Loaded checkpoints need only :func:`check_stop_and_pad`."""
     ids = {
         "pad": tokenizer.pad_token_id,
         "bos": tokenizer.bos_token_id,
@@ -94,6 +96,58 @@ def check_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
         raise ValueError(f"tokenizer lacks special token(s) {missing}; add them or use train_bpe_tokenizer")
     if len(set(ids.values())) != len(ids):
         raise ValueError(
-            f"special token ids must be distinct, got {ids}; pad == eos would mask the stop token "
+            f"special token ids must be distinct, got {ids}; a GPT built here takes three distinct ids "
             "(add a dedicated pad token, e.g. tokenizer.add_special_tokens({'pad_token': '<|pad|>'}))"
         )
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Special tokens to use instead of (or where there are none) those a tokenizer was saved with, given as the token
+    text (e.g. ``eos: "<|im_end|>"``). Each must already be in the vocabulary: no embedding is added or resized."""
+
+    eos: str | None = None
+    """The stop token appended to every reply and ending generation; None = the tokenizer's eos, else its sep
+    (an encoder's ``[SEP]``)."""
+    bos: str | None = None
+    """The token an encoder reward model's input starts with (its head reads that position); None = the tokenizer's
+    bos, else its cls (``[CLS]``). Decoders do not use it."""
+    pad: str | None = None
+    """Filler of padded batches (never attended to: every batch carries its mask); None = the tokenizer's pad, else
+    its eos."""
+
+
+def resolve_special_tokens(tokenizer: PreTrainedTokenizerBase, tokens: SpecialTokens = SpecialTokens(),
+                           setting: str = "tokens") -> PreTrainedTokenizerBase:
+    """``tokenizer`` (changed in place) with eos, bos and pad set: ``tokens`` where given, else the tokenizer's own,
+    else the fallbacks (eos: sep; bos: cls; pad: eos). ValueError in one line naming ``setting`` when a given token
+    is not in the vocabulary or no eos can be found."""
+    vocab = tokenizer.get_vocab()
+    name = tokenizer.name_or_path or type(tokenizer).__name__
+    for role in ("eos", "bos", "pad"):
+        token = getattr(tokens, role)
+        if token is None:
+            continue
+        if token not in vocab:
+            raise ValueError(f"{setting}.{role}={token!r} is not a token of {name!r}; give one of its tokens "
+                             "(embeddings are not resized for new ones)")
+        setattr(tokenizer, f"{role}_token", token)
+    if tokenizer.eos_token is None and getattr(tokenizer, "sep_token", None) is not None:
+        tokenizer.eos_token = tokenizer.sep_token
+    if tokenizer.bos_token is None and getattr(tokenizer, "cls_token", None) is not None:
+        tokenizer.bos_token = tokenizer.cls_token
+    if tokenizer.eos_token is None:
+        raise ValueError(f"tokenizer {name!r} has no eos (or sep) token to end replies with; set {setting}.eos to "
+                         "one of its tokens")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_stop_and_pad(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise unless the tokenizer has an eos (the stop token) and a pad token. pad may equal eos: every batch
+    carries an explicit mask, so no stop token is ever told apart from padding by its id."""
+    missing = [role for role in ("eos", "pad") if getattr(tokenizer, f"{role}_token_id") is None]
+    if missing:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} lacks special token(s) {missing}; set them in the "
+                         "config (sft.tokens / reward_model.tokens) or use train_bpe_tokenizer")

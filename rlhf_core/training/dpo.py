@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.models.lm import dropout_override
-from rlhf_core.models.tokenizer import check_special_tokens
+from rlhf_core.models.tokenizer import check_stop_and_pad
 from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
@@ -227,7 +227,7 @@ def train_dpo(
     loaded afresh at its starting weights: the reference's log-probs are measured before a checkpoint's weights are
     loaded) resumes from the newest one that verifies, ending with the weights an uninterrupted run would have.
     """
-    check_special_tokens(tokenizer)
+    check_stop_and_pad(tokenizer)
     if not train_pairs:
         raise ValueError("DPO needs preference pairs to train on, got none; check the data-prep split")
     started, pad, log = time.perf_counter(), tokenizer.pad_token_id, on_log or (lambda step, metrics: None)

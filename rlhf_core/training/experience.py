@@ -39,11 +39,6 @@ class PPOModels:
     def __post_init__(self) -> None:
         if self.value_head is not None and self.critic is not None:
             raise ValueError("PPOModels takes one value model: value_head (on the policy) or critic, not both")
-        if self.pad_token_id in self.stop_token_ids:
-            raise ValueError(
-                f"pad token id {self.pad_token_id} is also a stop token: the stop token would be masked and "
-                "the policy would never learn to stop. Give the tokenizer a pad token distinct from eos"
-            )
 
     @property
     def value_model(self) -> nn.Module | None:

@@ -17,7 +17,8 @@ from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_wins
 from rlhf_core.models.lora import add_training_adapter, merge_adapter
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
-from rlhf_core.models.roles import disable_dropout, keep_in_float32, sequence_scores, split_classifier
+from rlhf_core.models.families import score_prefix
+from rlhf_core.models.roles import disable_dropout, keep_in_float32, score_head, sequence_scores
 from rlhf_core.models.text import encode_pair, keep_tail, pad_id, right_pad
 from rlhf_core.ppo.losses import bradley_terry_loss
 from rlhf_core.training.guards import NonFiniteError, refuse_non_finite, require_finite_weights
@@ -48,13 +49,14 @@ class EncodedPairs:
 
 
 def encode_pairs(
-    tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair], max_length: int
+    tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair], max_length: int, prefix: Sequence[int] = ()
 ) -> EncodedPairs:
-    """Tokenize each pair as ``prompt + response + eos`` on both sides."""
+    """Tokenize each pair as ``prefix + prompt + response + eos`` on both sides. ``prefix``: what the reward model's
+    input starts with (``families.score_prefix``: an encoder's ``[CLS]``, nothing for a decoder)."""
     chosen, rejected, margins, n_cut = [], [], [], 0
     for pair in pairs:
-        c, cut_c = keep_tail(encode_pair(tokenizer, pair.prompt, pair.chosen), max_length)
-        r, cut_r = keep_tail(encode_pair(tokenizer, pair.prompt, pair.rejected), max_length)
+        c, cut_c = keep_tail(encode_pair(tokenizer, pair.prompt, pair.chosen), max_length, prefix)
+        r, cut_r = keep_tail(encode_pair(tokenizer, pair.prompt, pair.rejected), max_length, prefix)
         chosen.append(c)
         rejected.append(r)
         margins.append(0.0 if pair.margin is None or math.isnan(pair.margin) else float(pair.margin))
@@ -176,14 +178,16 @@ def train_reward_model(
     started = time.monotonic()
     torch.manual_seed(config.seed)
     disable_dropout(model).train()
-    _, head = split_classifier(model)
-    dtype = head.weight.dtype
-    keep_in_float32(head)  # in bf16 its small updates would round away; back to the model's dtype at the end
+    heads = score_head(model)
+    dtype = next(heads[0].parameters()).dtype
+    for head in heads:
+        keep_in_float32(head)  # in bf16 its small updates would round away; back to the model's dtype at the end
     adapter = add_training_adapter(model, config.lora, config.seed) if config.lora.enabled else None
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    train = encode_pairs(tokenizer, train_pairs, config.max_length)
-    held_out = encode_pairs(tokenizer, eval_pairs, config.max_length) if eval_pairs else None
+    prefix = score_prefix(model, tokenizer)
+    train = encode_pairs(tokenizer, train_pairs, config.max_length, prefix)
+    held_out = encode_pairs(tokenizer, eval_pairs, config.max_length, prefix) if eval_pairs else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     group = TrainableGroup(SequenceScorer(model), trainable, config.learning_rate)
     strategy = (make_strategy or local_strategy)([group], config.weight_decay, config.max_grad_norm)
@@ -230,7 +234,8 @@ def train_reward_model(
         result.evals.append((step, best.evaluation))  # final_eval describes the weights returned
     if adapter is not None:
         merge_adapter(adapter)  # a plain classifier again, which the caller saves and scores as before
-    head.to(dtype)  # one dtype, the model's, as it is saved and loaded again
+    for head in heads:
+        head.to(dtype)  # one dtype, the model's, as it is saved and loaded again
     model.eval()
     require_finite_weights({"reward model": model})  # nothing non-finite is saved, registered or scores
     result.seconds = time.monotonic() - started

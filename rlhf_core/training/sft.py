@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.models.lm import dropout_override
-from rlhf_core.models.tokenizer import check_special_tokens
+from rlhf_core.models.tokenizer import check_stop_and_pad
 from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 
@@ -220,7 +220,7 @@ def train_sft(
     ``on_log(step, metrics)`` receives ``sft/train_loss``, ``sft/lr``, ``sft/grad_norm``, ``sft/epoch`` after
     every step and ``sft/eval_loss`` after every evaluation (step 0 = before training).
     """
-    check_special_tokens(tokenizer)
+    check_stop_and_pad(tokenizer)
     if not train_examples or not eval_examples:
         raise ValueError(
             f"SFT needs demonstrations for training and evaluation, got {len(train_examples)} train and "

@@ -90,22 +90,27 @@ def test_critic_initialised_from_reward_model_reproduces_its_score_at_the_last_t
     assert not torch.allclose(critic.model.score.weight, rm.score.weight)
 
 
-def test_models_refuse_pad_equal_to_eos(tiny_policy_dir):
+def test_pad_equal_to_eos_keeps_the_stop_token_and_its_score(tiny_policy_dir, tiny_reward_dir, tokenizer):
+    """pad == eos (GPT-2 and Llama checkpoints ship no pad; the fallback pads with eos): every batch carries its mask,
+    so the same samples give the same response masks (the stop token kept, what follows dropped) and the same
+    scores as with a distinct pad id."""
     policy = load_policy(str(tiny_policy_dir))
-    try:
-        PPOModels(policy, make_reference(policy), lambda r: None, (2,), 2, value_head=ValueHead(32))
-    except ValueError as err:
-        assert "distinct from eos" in str(err)
-    else:
-        raise AssertionError("pad == eos must be refused")
-
-
-def test_value_head_init_ignores_the_global_rng():
-    """A resumed run whose earlier stages were cached has consumed fewer random numbers: same head anyway."""
-    torch.manual_seed(123)
-    a = ValueHead(32, seed=7)
-    torch.rand(1000)
-    b = ValueHead(32, seed=7)
-    assert torch.equal(a.summary.weight, b.summary.weight)
-    assert not torch.equal(a.summary.weight, ValueHead(32, seed=8).summary.weight)
-    assert float(a.summary.weight.detach().abs().max()) < 0.01
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("q cat sat", "q dog", "q a big red box")]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rollouts = []
+    for pad_id in (pad, eos):
+        ids, mask = left_pad(prompts * 6, pad_id)
+        rollouts.append(generate(policy, ids, mask, GenerationConfig(max_new_tokens=30), [eos], pad_id,
+                                 torch.Generator().manual_seed(0)))
+    distinct, shared = rollouts
+    assert distinct.stopped.any() and (~distinct.stopped).any()  # both kinds of rows are tested
+    assert torch.equal(distinct.response_mask, shared.response_mask)
+    assert torch.equal(distinct.stopped, shared.stopped)
+    real = distinct.response_mask
+    assert torch.equal(distinct.response_ids[real], shared.response_ids[real])
+    stops = shared.response_ids[real] == eos
+    assert int(stops.sum()) == int(shared.stopped.sum())  # exactly one (kept) stop token per stopped row
+    rm = load_reward_model(str(tiny_reward_dir))
+    assert torch.allclose(RewardModelScorer(rm, tokenizer)(distinct), RewardModelScorer(rm, tokenizer)(shared),
+                          atol=1e-5)
+    PPOModels(policy, make_reference(policy), lambda r: None, (eos,), eos, value_head=ValueHead(32))  # accepted

@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_API_URL, get_current_settings
+from transformers import GPT2Config
 
 import tasks.stage
 from flows.cli import main
@@ -199,9 +200,10 @@ def test_nothing_in_the_state_folder_is_a_pickle(tmp_path, mlflow_store):
     assert pickles == []
     assert list(state.glob("runs/*/run.json")) and not list(state.glob("prefect/results/*"))
     # A failed flow run's exception is a result Prefect always writes, whatever the persistence setting: JSON.
-    broken = tmp_path / "not-a-model"  # passes the checks before the run (it exists), fails when sft loads it
+    broken = tmp_path / "not-a-model"  # passes the checks before the run (a GPT-2 config), fails when sft loads it
     broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    GPT2Config(n_embd=32, n_layer=1, n_head=2).to_json_file(broken / "config.json")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     assert run_cli("run", "--preset", "tiny", *TINY, f"sft.base_model={broken}", *unique("pickle", tmp_path),
                    "--state-dir", str(state)) == 1
     storage = Path(get_current_settings().results.local_storage_path)

@@ -13,6 +13,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from transformers import GPT2Config
 
 from flows import commands
 from flows.cli import build_parser, main
@@ -71,7 +72,12 @@ def test_a_schedule_for_a_work_pool_names_files_by_absolute_paths(tmp_path, monk
     a model id that is no local path (and every setting of a served schedule) stays as given."""
     monkeypatch.chdir(tmp_path)
     Path("pairs.jsonl").write_text("{}\n", encoding="utf-8")
-    given = ["data.source=files", 'data.files=["pairs.jsonl"]', "refresh.enabled=false", "sft.base_model=gpt2"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # a hub id must be cached (checked before scheduling)
+    snapshot = tmp_path / "hub" / "models--org--tiny-gpt2" / "snapshots" / ("0" * 40)
+    GPT2Config(n_embd=32, n_layer=1, n_head=2).save_pretrained(snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    given = ["data.source=files", 'data.files=["pairs.jsonl"]', "refresh.enabled=false", "sft.base_model=org/tiny-gpt2"]
     for pool, expected in ((None, given), ("rlhf-pool", [*given, f'data.files=["{tmp_path / "pairs.jsonl"}"]'])):
         args = build_parser().parse_args(["schedule", "--cron", "0 3 * * *", "--preset", "tiny", "--state-dir",
                                           "state", *(["--pool", pool] if pool else []), *given])

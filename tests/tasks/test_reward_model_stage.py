@@ -26,6 +26,7 @@ from tasks.io import read_pairs, write_parquet
 from tasks.retries import is_transient, retry_on_transient_io
 from tasks.reward_model import SCORES_PNG, pair_scores, reward_model_task
 from tasks.run_store import Artifact
+from tests import model_families
 from tests.stage_harness import StageHarness
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
@@ -192,6 +193,34 @@ def test_scratch_init_builds_the_configured_size(harness: StageHarness, inputs: 
     proxy, held = (load_reward_model(reward_model.model_input(art, role).path) for role in ("proxy", "heldout"))
     assert proxy.config.n_embd == held.config.n_embd == 48 and proxy.config.n_layer == 2
     assert art.result["metrics"]["rm/proxy/eval/accuracy"] >= 0.85
+
+
+def test_an_encoder_and_a_base_decoder_start_the_two_reward_models(harness: StageHarness, inputs: reward_model.Inputs,
+                                                                     tmp_path: Path) -> None:
+    """Through configuration alone: the proxy starts from a 2-label BERT classifier (WordPiece tokenizer, no eos), the
+    held-out RM from a bare GPT-2 backbone (byte-level BPE, no pad). Each gets a fresh scalar head and keeps its own
+    tokenizer, with eos / pad filled in; both learn the planted rule and score what they are given."""
+    bert = model_families.save_reward_model("bert", tmp_path / "bert", num_labels=2)
+    gpt2 = model_families.save_base_model("gpt2", tmp_path / "gpt2")
+    cfg = reward_model.Config.of(tiny_config(f"reward_model.init={bert}", f"reward_model.heldout_init={gpt2}",
+                                             "reward_model.training.max_length=128",
+                                             "reward_model.heldout.max_length=128"))
+    rm_inputs = reward_model.Inputs.of(cfg, inputs.data, inputs.sft)
+    assert rm_inputs.sft is None  # neither init reads the SFT policy
+    art = harness.run(reward_model, "reward-model-byo", cfg, rm_inputs)
+    proxy_dir, held_dir = (reward_model.model_input(art, role).path for role in ("proxy", "heldout"))
+    proxy, held = load_reward_model(proxy_dir), load_reward_model(held_dir)
+    assert type(proxy).__name__ == "BertForSequenceClassification" and proxy.config.num_labels == 1
+    assert type(held).__name__ == "GPT2ForSequenceClassification" and held.config.num_labels == 1
+    proxy_tok, held_tok = AutoTokenizer.from_pretrained(proxy_dir), AutoTokenizer.from_pretrained(held_dir)
+    assert (proxy_tok.eos_token, proxy_tok.bos_token, proxy_tok.pad_token) == ("[SEP]", "[CLS]", "[PAD]")
+    assert held_tok.pad_token == held_tok.eos_token == "<|endoftext|>"
+    metrics = art.result["metrics"]
+    assert metrics["rm/proxy/eval/accuracy"] >= 0.8 and metrics["rm/heldout/eval/accuracy"] >= 0.8
+    # The saved encoder scores a pair the same way the stage measured it (the [CLS] layout travels with it).
+    pairs = read_pairs(inputs.data.path("heldout_pairs.parquet"))[:16]
+    chosen, rejected = pair_scores(proxy, proxy_tok, pairs, 128)
+    assert sum(c > r for c, r in zip(chosen, rejected)) >= 12
 
 
 def test_missing_or_empty_tables_fail_naming_the_file(harness: StageHarness, files: SimpleNamespace,

@@ -112,8 +112,8 @@ def test_files_that_must_exist(tmp_path: Path) -> None:
     # a file per iteration is written later: only its folder must exist
     resolve_config(None, "tiny", ["refresh.annotator=file", f"refresh.labels_file={tmp_path}/labels_{{iteration}}.csv"])
     assert "its folder" in _refusal(["refresh.annotator=file", f"refresh.labels_file={tmp_path}/no/l_{{iteration}}.csv"])
-    # a Hugging Face id is not a local path (checked when loaded)
-    resolve_config(None, "tiny", ["sft.base_model=gpt2"])
+    # a Hugging Face id is looked up in the local cache: not there and offline (as in every test), refused at once
+    assert "`hf download gpt2`" in _refusal(["sft.base_model=gpt2"])
 
 
 def test_a_deepspeed_config_the_loops_cannot_honour_is_refused_up_front(tmp_path: Path) -> None:

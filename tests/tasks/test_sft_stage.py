@@ -23,6 +23,7 @@ from tasks.config import PipelineConfig, SFTSection, load_config
 from tasks.io import read_parquet
 from tasks.run_store import Artifact, stage_key
 from tasks.sft import read_demonstrations
+from tests import model_families
 from tests.stage_harness import StageHarness
 
 #: Demo data and a tiny GPT; the gold report answers 16 evaluation prompts with PPO's sampling (40 new tokens).
@@ -168,6 +169,39 @@ def test_user_data_uses_the_base_model_as_it_is(tiny_run: Artifact, harness: Sta
     with pytest.raises(ValueError, match="set sft.base_model"):
         harness.run(sft, "sft-user-data-no-base", replace(cfg, sft=replace(cfg.sft, base_model=None)),
                     sft.Inputs(user_data))
+
+
+def test_special_tokens_set_in_the_config_travel_with_a_base_model_used_as_it_is(
+        tiny_run: Artifact, data: Artifact, harness: StageHarness) -> None:
+    """sft.tokens changes the tokenizer of a model used as it is: the model and that tokenizer are saved into the
+    artifact (not recorded by path), so every later stage loads the same special tokens; its key differs."""
+    base = sft.model_input(tiny_run).path
+    plain = replace(sft.Config.of(tiny_config("sft.enabled=false", f"sft.base_model={base}")), gold_report_prompts=0)
+    cfg = replace(sft.Config.of(tiny_config("sft.enabled=false", f"sft.base_model={base}",
+                                            "sft.tokens.pad=<|bos|>")), gold_report_prompts=0)
+    assert stage_key("sft", cfg, {}) != stage_key("sft", plain, {})
+    art = harness.run(sft, "sft-tokens", cfg, sft.Inputs(data))
+    result = sft.STAGE.result(art)
+    assert (result.external, result.trained, result.model) == (False, False, "model")
+    folder = sft.model_input(art).path
+    assert folder == str(art.path("model"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|bos|>", "<|eos|>")
+    weights = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert all(torch.equal(weights[name], original[name]) for name in original)
+    unknown = replace(cfg, sft=replace(cfg.sft, tokens=replace(cfg.sft.tokens, pad="<|nope|>")))
+    with pytest.raises(ValueError, match=r"sft.tokens.pad='<\|nope\|>' is not a token of"):
+        harness.run(sft, "sft-tokens-unknown", unknown, sft.Inputs(data))
+
+
+def test_an_encoder_is_refused_as_the_base_policy(data: Artifact, harness: StageHarness, tmp_path: Path) -> None:
+    bert = model_families.save_policy("bert", tmp_path / "bert")
+    cfg = replace(sft.Config.of(tiny_config("sft.enabled=false", f"sft.base_model={bert}")), gold_report_prompts=0)
+    with pytest.raises(ValueError, match=r"BertLMHeadModel \(bidirectional encoder\) attends to later tokens; a "
+                                         r"policy must be a causal LM") as info:
+        harness.run(sft, "sft-encoder", cfg, sft.Inputs(data))
+    assert "\n" not in str(info.value)
 
 
 def test_bad_settings_name_the_fix(data: Artifact, harness: StageHarness, tmp_path: Path) -> None:
