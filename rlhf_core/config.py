@@ -233,6 +233,9 @@ class RewardTrainingConfig:
     """Passes over the training pairs."""
     batch_size: PositiveInt = 16
     """Pairs per optimizer step."""
+    micro_batch_size: PositiveInt | None = None
+    """Pairs per forward/backward (2 sequences each), in training and evaluation; None = the whole batch. A memory
+    knob only: gradients accumulate over the micro-batches, so the loss and the update are the whole batch's."""
     learning_rate: NonNegative = 1e-4
     """AdamW learning rate (0 = score and report without updating)."""
     weight_decay: NonNegative = 0.0
@@ -261,3 +264,6 @@ class RewardTrainingConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self, "reward_model.training")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
+            raise ValueError(f"reward_model.training.micro_batch_size={self.micro_batch_size} must be <= batch_size="
+                             f"{self.batch_size} (pairs per optimizer step)")

@@ -290,8 +290,9 @@ class DistributedSection:
     """'deepspeed' launcher only: one 'hostname slots=N' line per node; None = this machine."""
     master_addr: str = "127.0.0.1"
     """Address of node 0, where rank 0 listens (another node's workers must reach it)."""
-    master_port: Annotated[int, Range(ge=1, le=65535)] = 29500
-    """Port of rank 0's rendezvous."""
+    master_port: Annotated[int, Range(ge=1, le=65535)] | None = None
+    """Port of rank 0's rendezvous; None = a free port chosen at each launch (one node: a retry never meets the
+    port of workers still closing). Several nodes must name it: every node dials it."""
     stages: tuple[Literal["reward-model", "ppo-iteration"], ...] = ("reward-model", "ppo-iteration")
     """Stages whose training runs this way (the others always run in their own process)."""
 
@@ -302,6 +303,9 @@ class DistributedSection:
                              "(e.g. infra/deepspeed/zero2.json)")
         if self.hostfile is not None and self.launcher != "deepspeed":
             raise ValueError("distributed.hostfile is read only by distributed.launcher='deepspeed'")
+        if self.num_nodes > 1 and self.master_port is None:
+            raise ValueError("distributed.num_nodes > 1 needs distributed.master_port (every node dials rank 0 there), "
+                             "e.g. distributed.master_port=29500")
 
     def runs(self, stage: str) -> bool:
         """True when ``stage`` launches its training on DeepSpeed workers."""

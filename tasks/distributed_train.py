@@ -82,7 +82,8 @@ def train_reward(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[s
     tokenizer = load_tokenizer(spec["model_dir"])
     model = load_reward_model(spec["model_dir"], runtime.torch_dtype).to(runtime.torch_device)
     pairs = json.loads(Path(spec["pairs_file"]).read_text(encoding="utf-8"))
-    factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=math.ceil(cfg.batch_size / world_size))
+    share = math.ceil(cfg.batch_size / world_size)  # pairs per process and step; micro_batch_size of them per forward
+    factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=min(share, cfg.micro_batch_size or share))
     on_log = MetricsWriter(folder / "metrics.jsonl") if rank == 0 else None
     result = train_reward_model(model, tokenizer, [PreferencePair(**p) for p in pairs["train"]],
                                 [PreferencePair(**p) for p in pairs["eval"]], cfg, on_log=on_log,

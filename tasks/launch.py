@@ -11,17 +11,21 @@ training (saving, registering, samples, plots) is the same code either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from safetensors.torch import load_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 1.0
+STOP_GRACE_SECONDS = 10.0
+"""How long the workers of a stage that ended early get between SIGTERM and SIGKILL."""
 
 OnLog = Callable[[int, dict[str, float]], None]
 
@@ -92,7 +98,8 @@ def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime, m
     job = _job(distributed, runtime, folder, "reward-model", reward={
         "model_dir": str(folder / "initial"), "pairs_file": str(folder / "pairs.json"),
         "training": config_to_dict(cfg), "eval_every": eval_every})
-    launch(distributed, job, on_log)
+    with off_the_accelerator([model]):
+        launch(distributed, job, on_log)
     load_model(model, str(folder / "trained.safetensors"))
     return reward_history_from_json(json.loads((folder / "history.json").read_text(encoding="utf-8")))
 
@@ -113,12 +120,39 @@ def run_ppo_training(config: PPOConfig, runtime: Runtime, seed: int, distributed
         **inputs, "config": config_to_dict(config), "seed": seed, "n_updates": n_updates,
         "checkpoint_dir": str(Path(checkpoint_dir).resolve()), "checkpoint_every": checkpoint_every,
         "init_from": init_from})
-    launch(distributed, job, on_log)
+    scorer_model = getattr(models.scorer, "model", None)  # a reward-model scorer's network; rule scorers have none
+    with off_the_accelerator([models.policy, models.reference, models.value_model, scorer_model]):
+        launch(distributed, job, on_log)
     final = latest_checkpoint(checkpoint_dir)
     if final is None:
         raise RuntimeError(f"the PPO workers finished without a checkpoint in {checkpoint_dir}; see their log above")
     state = load_checkpoint_weights(models, config, final)
     return PPORunResult(history=list(state["history"]))
+
+
+@contextlib.contextmanager
+def off_the_accelerator(modules: Sequence[torch.nn.Module | None]) -> Iterator[None]:
+    """Hold ``modules`` in host memory while the block runs, then put each back on its device.
+
+    The stage process built its models on the configured device before launching workers that use every device,
+    that one included; left there, they would take the memory of one worker's models from cuda:0 for the whole
+    training. Modules already on the CPU (and None) are left alone.
+    """
+    moved = []
+    for module in modules:
+        if module is None:
+            continue
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if device.type != "cpu":
+            module.to("cpu")
+            moved.append((module, device))
+    if moved and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        for module, device in moved:
+            module.to(device)
 
 
 def _fresh(workdir: str | os.PathLike[str]) -> Path:
@@ -140,15 +174,20 @@ def _job(distributed: DistributedSection, runtime: Runtime, folder: Path, stage:
 # --------------------------------------------------------------------------------------------- launching
 
 
-def launch_command(section: DistributedSection, job_file: Path, node_rank: int = 0) -> list[str]:
-    """The command line that starts every worker of ``job_file`` (on this node, for torchrun)."""
+def launch_command(section: DistributedSection, job_file: Path, node_rank: int = 0,
+                   port: int | None = None) -> list[str]:
+    """The command line that starts every worker of ``job_file`` (on this node, for torchrun); ``port``: the
+    rendezvous port (``section.master_port`` when None; one of them must be set)."""
+    port = port or section.master_port
+    if port is None:
+        raise ValueError("launch_command needs a rendezvous port: distributed.master_port or one chosen (free_port)")
     worker = ["-m", "tasks.distributed_train", "--job", str(job_file)]
     if section.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={section.num_processes}",
                 f"--nnodes={section.num_nodes}", f"--node-rank={node_rank}", f"--master-addr={section.master_addr}",
-                f"--master-port={section.master_port}", *worker]
+                f"--master-port={port}", *worker]
     command = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_addr={section.master_addr}",
-               f"--master_port={section.master_port}", f"--num_nodes={section.num_nodes}"]
+               f"--master_port={port}", f"--num_nodes={section.num_nodes}"]
     if section.hostfile is not None:
         command.append(f"--hostfile={section.hostfile}")
     if section.num_nodes == 1:
@@ -156,26 +195,80 @@ def launch_command(section: DistributedSection, job_file: Path, node_rank: int =
     return [*command, "--module", "tasks.distributed_train", "--job", str(job_file)]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it): a launch's own rendezvous port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def launch(section: DistributedSection, job: DistributedJob, on_log: OnLog | None) -> None:
-    """Run the workers of ``job`` to the end, passing rank 0's metric lines to ``on_log`` as they appear."""
+    """Run the workers of ``job`` to the end, passing rank 0's metric lines to ``on_log`` as they appear.
+
+    The launcher and every worker run in a process group of their own: when the stage leaves before they end (an
+    error, a cancelled or timed-out run, Ctrl-C), the whole group gets SIGTERM, then SIGKILL after
+    ``STOP_GRACE_SECONDS``, so no worker keeps holding a device or the rendezvous port for the retry.
+    """
     job_file = job.write()
-    command = launch_command(section, job_file)
+    port = section.master_port or free_port()
+    command = launch_command(section, job_file, port=port)
     if section.launcher == "torchrun" and section.num_nodes > 1:
         for node in range(1, section.num_nodes):
-            log.info("start node %d with: %s", node, " ".join(launch_command(section, job_file, node)))
+            log.info("start node %d with: %s", node, " ".join(launch_command(section, job_file, node, port)))
     log.info("launching %s training on %d process(es): %s", job.stage, section.num_processes * section.num_nodes,
              " ".join(command))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     metrics = Path(job.workdir) / "metrics.jsonl"
     follower = _MetricsFollower(metrics, on_log)
-    with subprocess.Popen(command, env=env) as process:
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
         while process.poll() is None:
             time.sleep(POLL_SECONDS)
             follower.poll()
-    follower.poll()
+        follower.poll()
+    finally:
+        stop_group(process)
     if process.returncode != 0:
         raise RuntimeError(f"{job.stage} workers exited with code {process.returncode} (command: {' '.join(command)}); "
                            f"their output is above; the job and its inputs are in {job.workdir}")
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """End ``process``'s whole process group (the launcher and its workers): SIGTERM, then SIGKILL to whatever is
+    left after ``STOP_GRACE_SECONDS``. Also after a clean exit: a worker the launcher left behind is ended too."""
+    try:
+        group = os.getpgid(process.pid)
+    except ProcessLookupError:  # reaped already: its group id is the pid (start_new_session)
+        group = process.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break  # nothing left in the group
+        if _group_ended(process, group, STOP_GRACE_SECONDS):
+            break
+    process.wait()
+
+
+def _group_ended(process: subprocess.Popen, group: int, seconds: float) -> bool:
+    """Whether the process group is empty within ``seconds``, reaping the launcher as it exits (a zombie is still
+    a member)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        process.poll()
+        if not _group_alive(group):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class _MetricsFollower:

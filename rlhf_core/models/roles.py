@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhf_core.models.families import describe, head_modules, is_causal, per_token_head, reads_last_token
@@ -274,11 +275,44 @@ def policy_forward(
         backbone, head = split
         hidden = response_slice(padded_forward(backbone, input_ids, attention_mask).last_hidden_state, query_len)
         real = attention_mask[:, query_len:].bool()  # (B, Tr): the response mask
-        logits = head(hidden[real])  # (N, V)
-        logprobs = _scatter(real, logprobs_from_logits(logits, tokens[real], temperature))
-        entropy = _scatter(real, entropy_from_logits(logits, temperature)) if with_entropy else None
+        token_logprobs, token_entropy = vocab_outputs(head, hidden[real], tokens[real], temperature, with_entropy)
+        logprobs = _scatter(real, token_logprobs)
+        entropy = _scatter(real, token_entropy) if with_entropy else None
     values = value_head(hidden) if value_head is not None else None
     return PolicyOutput(logprobs, entropy, values)
+
+
+#: Elements of one chunk's float32 (rows, V) logits in :func:`vocab_outputs` (2^26: 256 MB); a vocabulary of 152k
+#: takes 441 rows at a time, the demo's 2k all of a micro-batch at once.
+VOCAB_CHUNK_ELEMENTS = 1 << 26
+
+
+def vocab_outputs(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``tokens`` (and entropies) under ``softmax(head(hidden) / temperature)``: (N, H), (N,) -> (N,).
+
+    The output layer and the softmax over the vocabulary run a chunk of rows at a time, at most
+    ``VOCAB_CHUNK_ELEMENTS`` logits each; while gradients are recorded each chunk is checkpointed (recomputed in
+    the backward pass), so no float32 (N, V) tensor is kept whole for backward: the peak is one chunk's. The
+    values and gradients are those of the whole computation.
+    """
+    rows = max(1, VOCAB_CHUNK_ELEMENTS // head.out_features) if hasattr(head, "out_features") else hidden.shape[0]
+    if hidden.shape[0] <= rows:
+        return _vocab_chunk(head, hidden, tokens, temperature, with_entropy)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for start in range(0, hidden.shape[0], rows):
+        chunk = (head, hidden[start:start + rows], tokens[start:start + rows], temperature, with_entropy)
+        parts.append(checkpoint(_vocab_chunk, *chunk, use_reentrant=False) if recompute else _vocab_chunk(*chunk))
+    logprobs = torch.cat([lp for lp, _ in parts])
+    return logprobs, (torch.cat([ent for _, ent in parts]) if with_entropy else None)
+
+
+def _vocab_chunk(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = head(hidden)  # (n, V)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    return logprobs_from_logits(logits, tokens, temperature), entropy
 
 
 def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

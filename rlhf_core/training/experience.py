@@ -111,14 +111,16 @@ def collect_experience(
 ) -> tuple[Experience, RolloutStats, float, float]:
     """Generate and score one rollout batch. Returns (experience, stats, generation s, scoring s).
 
-    Old and reference log-probs and values run under ``config.autocast``, the precision of the training
-    forward, so the first mini-batch's ratio is 1. ``gather`` (data-parallel) joins every rank's scored
-    share into the whole batch before rewards and advantages, which are whitened over the whole batch.
+    Generation (prefill and decode) and the old and reference log-probs and values run under ``config.autocast``,
+    the precision of the training forward: the first mini-batch's ratio is 1, and under LoRA the float32 adapters
+    do not upcast every layer of a bf16 model while it samples. ``gather`` (data-parallel) joins every rank's
+    scored share into the whole batch before rewards and advantages, which are whitened over the whole batch.
     """
     device = next(models.policy.parameters()).device
     started = time.monotonic()
-    rollouts = list(generate_in_batches(models.policy, prompts, config.generation, models.stop_token_ids,
-                                        models.pad_token_id, generator))
+    with autocast(config.autocast, device):
+        rollouts = list(generate_in_batches(models.policy, prompts, config.generation, models.stop_token_ids,
+                                            models.pad_token_id, generator))
     rollout = concat_rollouts(rollouts, models.pad_token_id)
     generated = time.monotonic()
     with autocast(config.autocast, device):

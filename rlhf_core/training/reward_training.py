@@ -273,23 +273,34 @@ def _train_step(
     strategy: Strategy,
     config: RewardTrainingConfig,
 ) -> dict[str, float]:
-    """One optimizer step on this rank's share of ``batch``; returns the loss and accuracy over all of it."""
+    """One optimizer step on this rank's share of ``batch``; returns the loss and accuracy over all of it.
+
+    The share goes through the model ``config.micro_batch_size`` pairs at a time; each micro-batch backpropagates its
+    part of the share's mean loss (its pairs' summed loss over the share's size), so the accumulated gradient is the
+    whole share's, whatever the micro-batch size.
+    """
     mine, weight = weighted_shard(batch, strategy.rank, strategy.world_size)
-    with autocast(config.autocast, next(scorer.parameters()).device):
-        chosen, rejected = _pair_scores(
-            scorer, [data.chosen[i] for i in mine], [data.rejected[i] for i in mine], pad_id(tokenizer)
-        )
-    margin = torch.tensor([data.margins[i] for i in mine], device=chosen.device) if config.use_margin else None
-    loss = bradley_terry_loss(chosen, rejected, margin)
-    if config.center_rewards_coef is not None:
-        loss = loss + config.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+    micro = config.micro_batch_size or len(mine)
+    device = next(scorer.parameters()).device
     strategy.zero_grad()
-    refuse_non_finite(strategy, "reward-model loss", float(loss.detach()))
-    strategy.backward(loss * weight)
+    loss_sum, correct = 0.0, 0.0
+    for start in range(0, len(mine), micro):
+        part = mine[start : start + micro]
+        with autocast(config.autocast, device):
+            chosen, rejected = _pair_scores(
+                scorer, [data.chosen[i] for i in part], [data.rejected[i] for i in part], pad_id(tokenizer)
+            )
+        margin = torch.tensor([data.margins[i] for i in part], device=chosen.device) if config.use_margin else None
+        loss = bradley_terry_loss(chosen, rejected, margin)
+        if config.center_rewards_coef is not None:
+            loss = loss + config.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+        refuse_non_finite(strategy, "reward-model loss", float(loss.detach()))
+        strategy.backward(loss * (len(part) / len(mine)) * weight)  # its part of the share's mean
+        loss_sum += float(loss.detach()) * len(part)
+        correct += float(pairwise_wins(chosen, rejected).sum()) if weight else 0.0
     (grad_norm,) = strategy.step()
     n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing
-    correct = float(pairwise_wins(chosen, rejected).sum()) if n else 0.0
-    sums = strategy.all_sum({"loss": float(loss.detach()) * n, "correct": correct, "n": n})
+    sums = strategy.all_sum({"loss": loss_sum if n else 0.0, "correct": correct, "n": n})
     return {"rm/train/loss": sums["loss"] / sums["n"], "rm/train/accuracy": sums["correct"] / sums["n"],
             "rm/train/grad_norm": grad_norm}
 
@@ -300,7 +311,7 @@ def _record_eval(
 ) -> dict[str, float]:
     """Every rank evaluates all held-out pairs: the same forwards everywhere (ZeRO-3 gathers are collective)."""
     with autocast(config.autocast, next(model.parameters()).device):
-        evaluation = evaluate_reward_model(model, tokenizer, held_out)
+        evaluation = evaluate_reward_model(model, tokenizer, held_out, config.micro_batch_size or 32)
     result.evals.append((step, evaluation))
     log.info("reward model step %d: held-out accuracy %.3f, loss %.4f", step, evaluation.accuracy, evaluation.loss)
     return {f"rm/eval/{k}": float(v) for k, v in asdict(evaluation).items()}

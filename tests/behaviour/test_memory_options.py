@@ -179,3 +179,57 @@ def test_first_minibatch_ratio_is_one_with_autocast():
     mixed = first_minibatch(cfg, old_from=config())
     assert abs(mixed["ratio_mean"] - 1.0) > 1e-6
     assert mixed["approx_kl"] > 1e-9
+
+
+def test_rollouts_are_sampled_under_the_configured_autocast(monkeypatch):
+    """Prefill and decode run in the training forward's precision (under LoRA, float32 adapters would otherwise
+    upcast every layer of a bf16 model for the whole generation); 'none' leaves them in the weights' own."""
+    import rlhf_core.training.experience as experience_module
+
+    seen = []
+    real = experience_module.generate_in_batches
+
+    def recording(*args, **kwargs):
+        for rollout in real(*args, **kwargs):
+            seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+            yield rollout
+
+    monkeypatch.setattr(experience_module, "generate_in_batches", recording)
+    for kind, expected in (("bf16", True), ("none", False)):
+        seen.clear()
+        experience = experience_for(models(), config(autocast=kind))
+        assert seen == [expected] and experience.rollout.response_ids.shape[0] == 16
+
+
+@pytest.mark.parametrize("with_grad", [True, False], ids=["training", "no-grad"])
+def test_chunked_vocabulary_outputs_equal_the_whole_computation(monkeypatch, with_grad):
+    """Log-probs and entropies over the vocabulary a few rows at a time (checkpointed while training, so no whole
+    (N, V) float32 tensor is kept for backward) give the values and gradients of all rows at once."""
+    import rlhf_core.models.roles as roles
+
+    m = models()
+    experience = experience_for(m, config())
+    rollout, q = experience.rollout, experience.rollout.query_ids.shape[1]
+    assert int(rollout.response_mask.sum()) > 8  # several chunks of 3 rows below
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        for p in m.policy.parameters():
+            p.grad = None
+        with torch.set_grad_enabled(with_grad):
+            out = roles.policy_forward(m.policy, rollout.input_ids, rollout.attention_mask, q, 0.7, with_entropy=True)
+        if with_grad:
+            ((out.logprobs * rollout.response_mask).sum() + 0.1 * out.entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in m.policy.named_parameters() if p.grad is not None}
+        return out.logprobs.detach(), out.entropy.detach(), grads
+
+    whole = forward()
+    monkeypatch.setattr(roles, "VOCAB_CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per chunk
+    calls = []
+    real_chunk = roles._vocab_chunk
+    monkeypatch.setattr(roles, "_vocab_chunk", lambda *a: calls.append(a[1].shape[0]) or real_chunk(*a))
+    chunked = forward()
+    assert max(calls) == 3 and len(calls) >= 3
+    assert torch.allclose(chunked[0], whole[0], atol=1e-6) and torch.allclose(chunked[1], whole[1], atol=1e-6)
+    assert chunked[2].keys() == whole[2].keys() and bool(whole[2]) is with_grad
+    for name, grad in whole[2].items():
+        assert torch.allclose(chunked[2][name], grad, atol=1e-6), name

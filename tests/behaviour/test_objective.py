@@ -140,3 +140,34 @@ def test_a_critic_free_run_resumes_to_the_weights_of_a_straight_run(tmp_path) ->
     assert result.resumed_from_step == 2
     for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_reward_model_micro_batch_size_never_changes_the_update(tiny_reward_dir, tokenizer) -> None:
+    """reward_model.*.micro_batch_size is a memory knob: micro-batches of 1 and 3 pairs (the last one short) give the
+    weights of whole 8-pair batches after two SGD steps, with the margin and the centring term in the loss."""
+    from rlhf_core.config import RewardTrainingConfig
+    from rlhf_core.models.roles import load_reward_model
+    from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+    from rlhf_core.training.strategy import TrainableGroup
+
+    def sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float) -> LocalStrategy:
+        params = [p for g in groups for p in g.params]
+        return LocalStrategy(torch.optim.SGD(params, lr=0.1), None, max_grad_norm, tuple(g.module for g in groups))
+
+    words = ["cat", "dog", "sat", "ran", "on", "mat", "red", "blue", "big", "small"]
+    pairs = [PreferencePair("q " + words[i % 10], " good " + " ".join(words[: 1 + i % 7]), " bad " + words[i % 5],
+                            margin=float(i % 3)) for i in range(16)]
+    results, start = {}, None
+    for micro in (None, 1, 3):
+        model = load_reward_model(str(tiny_reward_dir))
+        start = start or {k: v.clone() for k, v in model.state_dict().items()}
+        config = RewardTrainingConfig(epochs=1, batch_size=8, micro_batch_size=micro, learning_rate=0.1,
+                                      max_grad_norm=1e9, use_margin=True, center_rewards_coef=0.05, max_length=64)
+        history = train_reward_model(model, tokenizer, pairs, [], config, make_strategy=sgd)
+        results[micro] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, history.train_loss)
+    whole, losses = results[None]
+    assert max(float((whole[k] - v).abs().max()) for k, v in start.items()) > 1e-3  # the weights moved
+    for micro in (1, 3):
+        weights, micro_losses = results[micro]
+        assert max(float((weights[k] - whole[k]).abs().max()) for k in whole) < 1e-6
+        assert micro_losses == pytest.approx(losses, abs=1e-6)

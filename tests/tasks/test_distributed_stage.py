@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,7 +79,8 @@ def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path: Pa
 
 
 def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path: Path) -> None:
-    section = DistributedSection(deepspeed_config="x.json", launcher="deepspeed", num_nodes=2, hostfile="hosts")
+    section = DistributedSection(deepspeed_config="x.json", launcher="deepspeed", num_nodes=2, hostfile="hosts",
+                                 master_port=29600)
     command = launch_command(section, tmp_path / "job.json")
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "--hostfile=hosts" in command and "--num_nodes=2" in command
@@ -112,8 +114,9 @@ def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them
         tmp_path: Path, written_jobs: list[DistributedJob]) -> None:
     cfg = ppo_iteration.Config.of(pipeline_config("ppo.kl.coef=0.125"), 1)
     inputs = {"reference_dir": "sft", "reward_dir": "rm", "prompts_file": "prompts.parquet"}
-    with pytest.raises(_Launched):  # no models: the stage side builds the job before it needs them
-        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, None, [], 2,  # type: ignore[arg-type]
+    no_weights = SimpleNamespace(policy=None, reference=None, value_model=None, scorer=None)
+    with pytest.raises(_Launched):  # no weights: the stage side builds the job before it needs them
+        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, no_weights, [], 2,  # type: ignore[arg-type]
                          tmp_path / "checkpoints", lambda step, metrics: None, None, inputs, tmp_path / "job",
                          checkpoint_every=1)
     written = json.loads((tmp_path / "job" / "job.json").read_text())
