@@ -81,12 +81,18 @@ NEOX_SPECIALS = ("<|endoftext|>", "<|padding|>")
 def _trained(family: str) -> str:
     """The family's trained ``tokenizers`` backend as JSON (training once per session; each caller gets a copy)."""
     if family == "bert":
-        core = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        core.normalizer = normalizers.BertNormalizer(lowercase=True)
-        core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        core.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=list(BERT_SPECIALS), show_progress=False)
+        core = _wordpiece(models.WordPiece(unk_token="[UNK]"))
+        # The trainer numbers the "##" pieces it makes in hash-map order, which differs per process, and breaks ties
+        # by those numbers (huggingface/tokenizers#1794): given every piece up front, in sorted order, it makes the
+        # same vocabulary in every process; the tokenizer is then rebuilt with only the real special tokens.
+        words = [word for text in CORPUS
+                 for word, _ in core.pre_tokenizer.pre_tokenize_str(core.normalizer.normalize_str(text))]
+        pieces = [f"##{char}" for char in sorted({char for word in words for char in word[1:]})]
+        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=[*BERT_SPECIALS, *pieces],
+                                            show_progress=False)
         core.train_from_iterator(CORPUS, trainer=trainer)
+        core = _wordpiece(models.WordPiece(vocab=core.get_vocab(), unk_token="[UNK]"))
+        core.add_special_tokens(list(BERT_SPECIALS))
         cls, sep = core.token_to_id("[CLS]"), core.token_to_id("[SEP]")
         # Real BERT tokenizers add [CLS] ... [SEP] unless told not to: our code must not rely on either.
         core.post_processor = processors.TemplateProcessing(
@@ -113,6 +119,15 @@ def _trained(family: str) -> str:
     else:
         raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
     return core.to_str()
+
+
+def _wordpiece(model: models.WordPiece) -> Tokenizer:
+    """A BERT-style (lowercasing, punctuation-splitting) tokenizer around a WordPiece model."""
+    core = Tokenizer(model)
+    core.normalizer = normalizers.BertNormalizer(lowercase=True)
+    core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    core.decoder = decoders.WordPiece()
+    return core
 
 
 def build_tokenizer(family: str) -> PreTrainedTokenizerFast:

@@ -291,14 +291,20 @@ def test_a_lora_reward_model_of_another_family_trains_its_adapter_and_its_whole_
 
 def test_a_bf16_encoder_reward_model_keeps_its_head_in_float32_while_it_trains(tmp_path: Path):
     """bf16 weights, no autocast: BERT's classifier is held in float32 (its input cast on the way in), so its small
-    updates do not round away; it is saved back in bf16 with the rest."""
+    updates do not round away; it is saved back in bf16 with the rest. (Read at the last step, before that cast:
+    four Adam steps of 5e-5 can round back to the starting bf16 value when the head returns to bf16.)"""
     folder = save_reward_model("bert", tmp_path / "rm")
     tokenizer, model = own_tokenizer(folder), load_reward_model(folder, torch.bfloat16)
     before = model.classifier.weight.detach().float().clone()
+    trained = {}
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        trained.update(dtype=model.classifier.weight.dtype, weight=model.classifier.weight.detach().clone())
+
     train_reward_model(model, tokenizer, good_bad_pairs(16, seed=0), good_bad_pairs(8, seed=1),
-                       RewardTrainingConfig(epochs=2, batch_size=8, max_length=64, learning_rate=5e-5))
-    after = model.classifier.weight.detach().float()
-    assert model.classifier.weight.dtype == torch.bfloat16
+                       RewardTrainingConfig(epochs=2, batch_size=8, max_length=64, learning_rate=5e-5), on_log=on_log)
+    after = trained["weight"]
+    assert trained["dtype"] == torch.float32 and model.classifier.weight.dtype == torch.bfloat16
     large = before.abs() >= 2 ** -6  # where one bf16 step is larger than an Adam step of 5e-5
     assert bool((after[large] != before[large]).all())
 
