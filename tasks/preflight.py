@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlhf_core.models.families import config_positions
 from rlhf_core.models.lm import model_size
 from tasks.preflight_models import (MODEL_WORDS, POLICY_KEY, ModelsAtHand, check_critic, check_model_kinds,
                                     hub_cache, model_folder, require_exists)
@@ -141,6 +142,4 @@ def _policy_positions(config: PipelineConfig, models: ModelsAtHand) -> tuple[int
         return (model_size(size) if isinstance(size, str) else size).n_positions, f"model_size {size!r}"
     if POLICY_KEY not in models.folders:
         return None, base  # a registry URI or a hub id still to download: checked when it is loaded
-    model_config = models.config(POLICY_KEY)
-    positions = getattr(model_config, "n_positions", None) or getattr(model_config, "max_position_embeddings", None)
-    return (positions if isinstance(positions, int) else None), f"sft.base_model {base!r}"
+    return config_positions(models.config(POLICY_KEY)), f"sft.base_model {base!r}"

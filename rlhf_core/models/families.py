@@ -118,10 +118,13 @@ def score_prefix(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[i
 
 
 def max_positions(model: nn.Module) -> int | None:
-    """Longest sequence the model takes (``n_positions`` for GPT-2, ``max_position_embeddings`` otherwise); None
-    when the config names none (rotary models without a limit)."""
-    inner = inner_model(model) or model
-    config = getattr(inner, "config", None)
+    """Longest sequence the model takes (:func:`config_positions` of its config)."""
+    return config_positions(getattr(inner_model(model) or model, "config", None))
+
+
+def config_positions(config: object) -> int | None:
+    """Longest sequence a model config allows (``n_positions`` for GPT-2, ``max_position_embeddings`` otherwise);
+    None when it names none (rotary models without a limit)."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     return int(positions) if isinstance(positions, int) else None
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf_core.config import LoRAConfig
-from rlhf_core.models.roles import as_input_of, disable_dropout, keep_in_float32, score_head, split_classifier
+from rlhf_core.models.roles import disable_dropout, keep_in_float32, score_head, split_classifier
 from rlhf_core.training.rollout import positions_from_mask
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -206,7 +206,7 @@ class LoRACritic(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
         ).last_hidden_state  # (B, T, H)
-        return self.head(as_input_of(self.head, hidden)).squeeze(-1).float()
+        return self.head(hidden).squeeze(-1).float()  # the head casts its input (keep_in_float32)
 
 
 # --------------------------------------------------------------------------------------------- training, saving

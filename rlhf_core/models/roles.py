@@ -55,9 +55,9 @@ def keep_in_float32(module: nn.Module) -> nn.Module:
     For what trains on a half-precision base: value and score heads (LoRA's A and B are upcast by peft,
     ``lora.add_adapter``). bf16 keeps 8 significant bits, so an Adam step of ~lr = 5e-5 on a weight with
     |w| >= 2^-6 is under half the spacing between bf16 numbers there and rounds away: the head never moves.
-    Its inputs are cast to its weights' dtype on the way in (a forward pre-hook, so an encoder's own classification
-    forward works too; :func:`as_input_of` does the same for heads called here); under bf16 autocast the matmul still
-    runs in bf16, and only the stored weight (and so the update) keeps full precision.
+    Its inputs are cast to its weights' dtype on the way in (a forward pre-hook, so callers and an encoder's own
+    classification forward need not); under bf16 autocast the matmul still runs in bf16, and only the stored weight
+    (and so the update) keeps full precision.
     """
     module.float()
     if not getattr(module, "_casts_inputs", False):
@@ -73,7 +73,8 @@ def _inputs_to_weight_dtype(module: nn.Module, args: tuple) -> tuple:
 
 
 def as_input_of(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden`` in the dtype of ``head``'s weight: a float32 head on a bf16 backbone without autocast."""
+    """``hidden`` in the dtype of ``head``'s weight, for a head that may not be held by :func:`keep_in_float32`
+    (a loaded reward model's, whose backbone may return another dtype)."""
     return hidden.to(head.weight.dtype)
 
 
@@ -204,10 +205,11 @@ class ValueHead(nn.Module):
             std = 0.01 / (hidden_size + 1) ** 0.5
             self.summary.weight.copy_(torch.randn(self.summary.weight.shape, generator=generator) * std)
             self.summary.bias.zero_()
+        keep_in_float32(self.summary)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T)."""
-        return self.summary(as_input_of(self.summary, hidden)).squeeze(-1).float()
+        return self.summary(hidden).squeeze(-1).float()
 
 
 class Critic(nn.Module):

@@ -122,12 +122,10 @@ def resolve_special_tokens(tokenizer: PreTrainedTokenizerBase, tokens: SpecialTo
     """``tokenizer`` (changed in place) with eos, bos and pad set: ``tokens`` where given, else the tokenizer's own,
     else the fallbacks (eos: sep; bos: cls; pad: eos). ValueError in one line naming ``setting`` when a given token
     is not in the vocabulary or no eos can be found."""
-    vocab = tokenizer.get_vocab()
     name = tokenizer.name_or_path or type(tokenizer).__name__
-    for role in ("eos", "bos", "pad"):
-        token = getattr(tokens, role)
-        if token is None:
-            continue
+    given = {role: getattr(tokens, role) for role in ("eos", "bos", "pad") if getattr(tokens, role) is not None}
+    vocab = tokenizer.get_vocab() if given else {}  # a large vocabulary's map is built only to check given tokens
+    for role, token in given.items():
         if token not in vocab:
             raise ValueError(f"{setting}.{role}={token!r} is not a token of {name!r}; give one of its tokens "
                              "(embeddings are not resized for new ones)")

@@ -18,6 +18,14 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture
+def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh MLflow store (a sqlite registry) for the test: its tracking URI."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
 def new_tiny_run(state_dir: Path, *overrides: str) -> tuple[RunStore, RunRecord]:
     """A run with the tiny preset's config recorded in its folder (what `rlhf run` does before the flow)."""
     config = load_config(None, "tiny", [f"state_dir={state_dir}", *overrides])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 from transformers import AutoTokenizer
 
 from flows.cli import main
@@ -17,11 +16,6 @@ from tests import model_families
 
 STAGES = ["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration-1", "heldout-eval-1", "rm-refresh-1",
           "ppo-iteration-2", "heldout-eval-2"]
-
-
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
 
 
 def test_a_llama_policy_and_a_bert_reward_model_run_the_whole_pipeline(tmp_path, mlflow_store, capsys):

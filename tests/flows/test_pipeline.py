@@ -17,11 +17,6 @@ STAGES = ["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration-1", "h
           "ppo-iteration-2", "heldout-eval-2"]
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-
-
 def test_pipeline_runs_registers_retries_and_reuses_finished_stages(tmp_path, mlflow_store, monkeypatch):
     store, record = new_tiny_run(tmp_path / "state")
     # The registry fails once (a transient error): the reward-model stage must be retried, not failed, and its

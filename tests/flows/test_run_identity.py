@@ -34,13 +34,6 @@ TINY = ["ppo.iterations=2", "ppo.updates_per_iteration=2", "ppo.checkpoint_every
         "data.demo.n_sft=160"]
 
 
-@pytest.fixture
-def mlflow_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
-
-
 def run_cli(*args: str) -> int:
     return main(list(args))
 
