@@ -50,10 +50,13 @@ def _add_prep(subparsers: argparse._SubParsersAction) -> None:
                       "(data.prompts_file)")
     prep.add_argument("--max-quarantine-fraction", metavar="F", help="fail when more than this fraction of rows "
                       f"is quarantined (data.prep.max_quarantine_fraction; default {data.max_quarantine_fraction})")
-    prep.add_argument("--max-length", metavar="N", help="longest prompt + response, characters or tokens with "
-                      "--tokenizer (data.prep.max_length; default: no limit)")
+    prep.add_argument("--max-length", metavar="N", help="longest prompt + response, in tokens with a tokenizer "
+                      "(sft.base_model's or --tokenizer), else characters (data.prep.max_length; default: no limit)")
+    prep.add_argument("--max-prompt-length", metavar="N", help="longest prompt, in max-length's unit; must be < "
+                      "max-length (data.prep.max_prompt_length; default: no limit)")
     prep.add_argument("--tokenizer", metavar="NAME_OR_PATH",
-                      help="tokenizer for token lengths and chat templates (local path or cached id)")
+                      help="tokenizer for token lengths and chat templates (local path or cached id); default: "
+                      "sft.base_model's, as in `rlhf run` (--set sft.base_model=PATH), else lengths count characters")
     prep.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                       help="any other config setting, e.g. --set data.prep.heldout_fraction=0.2 (repeatable; "
                       "applied after the flags)")
@@ -73,6 +76,7 @@ def _add_prep(subparsers: argparse._SubParsersAction) -> None:
 
 #: prep flag -> the config key it sets (flag values go through the loader as text, exactly like overrides).
 PREP_FLAGS = {"format": "data.prep.input_format", "max_length": "data.prep.max_length",
+              "max_prompt_length": "data.prep.max_prompt_length",
               "max_quarantine_fraction": "data.prep.max_quarantine_fraction"}
 DEMO_FLAGS = {"seed": "seed", "pairs": "data.demo.n_pairs", "sft_demos": "data.demo.n_sft",
               "eval_prompts": "data.demo.n_eval_prompts"}
@@ -101,7 +105,8 @@ def _run_prep(args: argparse.Namespace) -> int:
     config = load_config(None, None, prep_overrides(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = data_prep.prepare(data_prep.Config.of(config), out, data_prep.load_tokenizer(args.tokenizer))
+    # the pipeline's slice: lengths count sft.base_model's tokens (or --tokenizer's) exactly as in `rlhf run`
+    result = data_prep.prepare(data_prep.Config.of(config, args.tokenizer), out)
     print(data_prep.summary(result, out))
     return 0
 
@@ -111,8 +116,7 @@ def _check_prep_sources(args: argparse.Namespace) -> None:
     if not args.demo and not args.inputs:
         raise DataError("give preference file(s) as INPUT, or --demo to generate the demo task's data")
     if args.demo:
-        clashes = [name for name, value in (("INPUT", args.inputs), ("--prompts", args.prompts),
-                                            ("--tokenizer", args.tokenizer)) if value]
+        clashes = [name for name, value in (("INPUT", args.inputs), ("--prompts", args.prompts)) if value]
         clashes += ["--format"] if args.format not in (None, InputFormat.AUTO.value) else []
         if clashes:
             raise DataError(f"--demo generates its own data; drop {', '.join(clashes)} or drop --demo")

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from rlhf_core.ppo.aggregation import LossAggregation
 from rlhf_core.ppo.kl import KLEstimator
-from rlhf_core.ranges import (ClipNorm, Count, Fraction, NonNegative, Positive, PositiveInt, Range,
+from rlhf_core.ranges import (ClipNorm, Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range,
                               check_ranges)
 
 Autocast = Literal["none", "bf16"]
@@ -107,6 +107,11 @@ class PPOConfig:
     """Rollouts per optimizer step; must divide rollout_batch_size."""
     micro_batch_size: PositiveInt = 16
     """Rollouts per forward/backward; mini_batch_size / micro_batch_size = gradient-accumulation steps."""
+    max_tokens_per_forward: PositiveInt | None = None
+    """Most tokens in one forward of experience collection (old / reference log-probs, values, reward-model scores):
+    at most micro_batch_size rollouts, fewer while they are long (rlhf_core/models/budget.py); a rollout longer than
+    it goes alone. None = micro_batch_size rollouts always. A memory knob: the results are the same. The PPO
+    training micro-batches stay micro_batch_size rollouts."""
     ppo_epochs: PositiveInt = 4
     """Passes over each rollout batch (TRL 4; OpenRLHF/verl 1)."""
     learning_rate: Positive = 1e-5
@@ -160,6 +165,9 @@ class PPOConfig:
     ref_refresh_every: Annotated[int, Range(ge=0, note="0 = never")] = 0
     """Copy the policy into the reference every N updates (0 = never). With LoRA: merge the adapter into the
     shared base weights and restart the adapter (B = 0, fresh A, its optimizer moments cleared)."""
+    keep_checkpoints: KeptCount = 2
+    """Checkpoints (weights + optimizer state) kept inside a running stage; older ones are deleted as newer land.
+    Two keep one to fall back on when the newest is damaged. Not part of any artifact key (it changes no result)."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL penalty settings."""
     reward: RewardShapingConfig = field(default_factory=RewardShapingConfig)
@@ -175,6 +183,10 @@ class PPOConfig:
     autocast: Autocast = "none"
     """'bf16': training forwards, old and reference log-probs and values under bf16 autocast (halves activation
     memory, faster on GPUs with bf16 units); 'none': the weights' own precision."""
+    offload_frozen: bool = False
+    """Hold the frozen reference and reward model in host memory while the policy and value model train (they are
+    back on their device to collect experience; rlhf_core/models/offload.py). A network sharing weights with a
+    trained one stays (LoRA reference; reward model under a LoRA critic). A memory knob: the results are the same."""
     seed: Count = 0
     """Seed for prompt order and sampling."""
 
@@ -208,6 +220,11 @@ class PPOConfig:
                 f"ppo.micro_batch_size ({self.micro_batch_size}) must divide "
                 f"ppo.mini_batch_size ({self.mini_batch_size})"
             )
+        longest_reply = self.generation.max_new_tokens + 1  # with at least one prompt token
+        if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < longest_reply:
+            raise ValueError(f"ppo.max_tokens_per_forward={self.max_tokens_per_forward} cannot hold one rollout of "
+                             f"a prompt token and ppo.generation.max_new_tokens={self.generation.max_new_tokens}; "
+                             f"raise it to at least {longest_reply} (prompt lengths on top)")
         if self.whiten_advantages and self.rollout_batch_size < 8:
             raise ValueError(
                 "ppo.whiten_advantages needs ppo.rollout_batch_size >= 8 (whitening a tiny batch is noise); "
@@ -236,6 +253,10 @@ class RewardTrainingConfig:
     micro_batch_size: PositiveInt | None = None
     """Pairs per forward/backward (2 sequences each), in training and evaluation; None = the whole batch. A memory
     knob only: gradients accumulate over the micro-batches, so the loss and the update are the whole batch's."""
+    max_tokens_per_forward: PositiveInt | None = None
+    """Most tokens in one forward/backward, in training and evaluation: at most micro_batch_size pairs, fewer while
+    they are long (padded rows x longest, or the real tokens where the forward packs them; rlhf_core/models/budget.py).
+    None = rows only. A memory knob only, like micro_batch_size. At least 2 x max_length: a pair is one forward."""
     learning_rate: NonNegative = 1e-4
     """AdamW learning rate (0 = score and report without updating)."""
     weight_decay: NonNegative = 0.0
@@ -267,3 +288,7 @@ class RewardTrainingConfig:
         if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ValueError(f"reward_model.training.micro_batch_size={self.micro_batch_size} must be <= batch_size="
                              f"{self.batch_size} (pairs per optimizer step)")
+        if self.max_tokens_per_forward is not None and self.max_tokens_per_forward < 2 * self.max_length:
+            raise ValueError(f"reward_model.training.max_tokens_per_forward={self.max_tokens_per_forward} is below "
+                             f"2 x max_length={2 * self.max_length}, what one pair (both sides, one forward) can need; "
+                             "raise it or lower max_length")

@@ -71,6 +71,21 @@ ClipNorm = Annotated[float, Range(gt=0, allow_inf=True, note="inf = no clipping"
 """A gradient-norm clip: > 0, or infinity to report the norm without clipping."""
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Marks a setting that decides only how much is kept on disk (checkpoints, resume states), never what is
+    computed: artifact keys leave it out, so changing it reuses every finished stage."""
+
+
+KeptCount = Annotated[int, Range(ge=1), Retention()]
+"""How many of something are kept on disk (>= 1); not part of any artifact key."""
+
+
+def is_retention(hint: Any) -> bool:
+    """Whether a type hint carries the :class:`Retention` mark."""
+    return typing.get_origin(hint) is Annotated and any(isinstance(m, Retention) for m in typing.get_args(hint)[1:])
+
+
 def range_of(hint: Any) -> Range | None:
     """The :class:`Range` in an ``Annotated`` hint (also inside ``X | None``), or None."""
     if typing.get_origin(hint) is Annotated:

@@ -25,7 +25,7 @@ from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE, SpecialTokens
-from rlhf_core.ranges import Count, Fraction, NonNegative, Positive, PositiveInt, Range, check_ranges
+from rlhf_core.ranges import Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.dpo import DPOConfig
 from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
@@ -132,6 +132,11 @@ class PPOSection(PPOConfig):
     """PPO updates (rollout batches) inside one ppo-iteration stage."""
     checkpoint_every: Annotated[int, Range(ge=0, note='0 = none')] = 5
     """Save a resumable checkpoint every this many updates inside the stage (0 = none, restart on failure)."""
+    keep_resume_states: KeptCount = 2
+    """Finished iterations whose resume state (last checkpoint: optimizer state, RNGs, prompt cursor; ~2x the
+    policy's weights at full fine-tuning) stays in the state folder; older ones are pruned once a later iteration
+    is published. Redoing an iteration after its predecessor's state was pruned refuses and says how to redo it.
+    Their policies (``policy/`` of each artifact) are never pruned. Not part of any artifact key."""
 
     def __post_init__(self) -> None:
         check_ranges(self, "ppo")  # before the parent's rules divide by them
@@ -163,6 +168,10 @@ class EvalSection:
     reported KL is a sample estimate that is only meaningful on replies sampled from the policy itself."""
     batch_size: PositiveInt = 64
     """Prompts generated and scored at once."""
+    max_tokens_per_forward: PositiveInt | None = None
+    """Most tokens in one reward-model scoring forward of the evaluation stages (heldout-eval, best-of-n, rm-refresh's
+    rm_judge): at most batch_size replies, fewer while they are long (rlhf_core/models/budget.py); None = rows only.
+    A memory knob: the scores are the same."""
     kl_budget: Positive = 10.0
     """Largest mean per-sequence KL to the reference (nats) a promoted policy may have."""
     hacking_margin: NonNegative = 0.0
@@ -245,6 +254,11 @@ class TrackingSection:
     """Registered model name of the held-out reward model; None = '<experiment>-heldout-reward-model'."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None = SQLite in the state dir. The MLFLOW_TRACKING_URI env variable wins."""
+    model_storage: Literal["upload", "reference"] = "upload"
+    """Where registered model versions keep their weights. 'upload': a copy in MLflow's artifact store (through the
+    tracking server; the MLflow UI shows the files). 'reference': no upload, the version holds a small pointer to
+    its immutable artifact in the state dir and ``models:/`` URIs load from there; the state dir must then be shared
+    storage that every process loading those models sees (a 7B policy is ~15 GB per iteration not sent)."""
 
     def __post_init__(self) -> None:
         # resolved here, once: the recorded config names the models it registers
@@ -303,6 +317,9 @@ class DistributedSection:
                              "(e.g. infra/deepspeed/zero2.json)")
         if self.hostfile is not None and self.launcher != "deepspeed":
             raise ValueError("distributed.hostfile is read only by distributed.launcher='deepspeed'")
+        if self.num_nodes > 1 and self.launcher == "deepspeed" and self.hostfile is None:
+            raise ValueError("distributed.num_nodes > 1 with distributed.launcher=deepspeed needs distributed.hostfile "
+                             "(one 'hostname slots=N' line per node: the launcher starts each of them over ssh)")
         if self.num_nodes > 1 and self.master_port is None:
             raise ValueError("distributed.num_nodes > 1 needs distributed.master_port (every node dials rank 0 there), "
                              "e.g. distributed.master_port=29500")

@@ -6,6 +6,11 @@ User files (Parquet / JSONL / CSV; TRL, HH or chat format) are read by ``tasks.s
 task's pairs are written as a raw input file and go through the same path; beside them the stage writes SFT
 demonstrations and an evaluation prompt set with hidden metadata (``rlhf_core.demo.tables``). ``rlhf prep`` runs
 :func:`prepare` alone.
+
+Lengths (``data.prep.max_length``, ``data.prep.max_prompt_length``) count the policy's tokens whenever its tokenizer
+exists before training (``sft.base_model`` set, loaded with ``sft.tokens`` as every stage loads it), so they mean what
+the reward model's and PPO's token limits mean; without one (the demo's tokenizer is trained in the sft stage) they
+count characters. The tokenizer is part of this stage's config slice, so a different tokenizer is a different key.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from rlhf_core.demo import generate_preference_pairs, generate_sft_demonstration
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.demo.tables import (EVAL_PROMPTS, RAW_PAIRS, SFT_DEMONSTRATIONS, draw_eval_prompts, eval_row,
                                    split_demonstrations)
+from rlhf_core.models.tokenizer import SpecialTokens
 from tasks.io import read_parquet, read_source, write_json, write_parquet
 from tasks.run_store import Artifact, LocalPath
+from tasks.run_store.keys import ModelSource
 from tasks.stage import Publication, Stage, StageContext, stage_task
 from tasks.typed_yaml import flatten_for_params
 
@@ -56,13 +63,25 @@ class Config:
     """Sizes of the generated task (demo only)."""
     seed: int | None = None
     """Seed of the generated task (demo only: user files are split by a salted hash, not a seed)."""
+    tokenizer: ModelSource | None = None
+    """The policy's tokenizer (``sft.base_model``: a local folder, ``models:/`` URI or cached hub id): lengths count
+    its tokens and chat data is rendered with its template. None = lengths count characters."""
+    tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    """``sft.tokens`` applied to ``tokenizer`` (the default when there is none): special tokens change counting."""
 
     @classmethod
-    def of(cls, config: PipelineConfig) -> Config:
-        data = config.data
+    def of(cls, config: PipelineConfig, tokenizer: str | None = None) -> Config:
+        """The slice of ``config``; ``tokenizer`` (``rlhf prep --tokenizer``) stands in for ``sft.base_model``."""
+        data, source = config.data, tokenizer or config.sft.base_model
+        counting = {"tokenizer": source, "tokens": config.sft.tokens} if source is not None else {}
         if data.source == "demo":
-            return cls("demo", data.prep, demo=data.demo, seed=config.seed)
-        return cls("files", data.prep, files=tuple(data.files), prompts_file=data.prompts_file)
+            return cls("demo", data.prep, demo=data.demo, seed=config.seed, **counting)
+        return cls("files", data.prep, files=tuple(data.files), prompts_file=data.prompts_file, **counting)
+
+    @property
+    def length_unit(self) -> str:
+        """What ``prep.max_length`` and ``prep.max_prompt_length`` count: 'tokens' or 'characters'."""
+        return "characters" if self.tokenizer is None else "tokens"
 
 
 @dataclass(frozen=True)
@@ -111,17 +130,19 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     return prepare(cfg, ctx.out)
 
 
-def prepare(cfg: Config, out: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
+def prepare(cfg: Config, out: Path) -> Result:
     """Generate or read the data, validate, dedupe and split it, and write every table under ``out``.
 
-    ``tokenizer`` (``rlhf prep --tokenizer``) makes ``prep.max_length`` count tokens and renders chat data with its
-    template. Raises DataError naming the file (and the quarantine table) when the data cannot be used.
+    ``cfg.tokenizer`` makes the length limits count its tokens and renders chat data with its template. Raises
+    DataError naming the file (and the quarantine table) when the data cannot be used, or the tokenizer when it
+    cannot be loaded.
     """
     for name in (TRAIN_FILE, HELDOUT_FILE, PPO_PROMPTS_FILE, COUNTS_FILE, EVAL_PROMPTS_FILE, SFT_TRAIN_FILE,
                  SFT_EVAL_FILE):
         (out / name).unlink(missing_ok=True)  # `rlhf prep` into a used folder: no stale mix after a failure
+    tokenizer = load_tokenizer(cfg)
     if cfg.source == "demo":
-        return _prepare_demo(cfg, out)
+        return _prepare_demo(cfg, out, tokenizer)
     sources = [read_source(uri) for uri in cfg.files]
     prompt_sources = [read_source(cfg.prompts_file)] if cfg.prompts_file else []
     tables, counts = _prepare_pairs(cfg, sources, prompt_sources, out, tokenizer)
@@ -147,14 +168,14 @@ def _prepare_pairs(cfg: Config, sources: Sequence[SourceFile], prompt_sources: S
             "quarantine": QUARANTINE_FILE, "counts": COUNTS_FILE}, tables.counts
 
 
-def _prepare_demo(cfg: Config, out: Path) -> Result:
+def _prepare_demo(cfg: Config, out: Path, tokenizer: PreTrainedTokenizerBase | None) -> Result:
     """The generated pairs go through the user-data path; demonstrations and evaluation prompts are written beside."""
     demo, seed = cfg.demo or DemoDataConfig(), cfg.seed or 0
     pairs = generate_preference_pairs(demo.n_pairs, seed, demo.annotator_temperature)
     raw = read_source(write_parquet(pairs, RAW_PAIRS, out / RAW_PAIRS_FILE))
     # Quarantine rows name the generated file as the artifact holds it, not where it was written.
     raw = SourceFile(RAW_PAIRS_FILE, raw.columns, [replace(row, source_file=RAW_PAIRS_FILE) for row in raw.rows])
-    tables, counts = _prepare_pairs(cfg, [raw], [], out, None)
+    tables, counts = _prepare_pairs(cfg, [raw], [], out, tokenizer)
     demos = generate_sft_demonstrations(demo.n_sft, seed)
     train, held_out, duplicates = split_demonstrations(demos, demo.sft_eval_fraction, cfg.prep.split_salt)
     ppo_prompts = {str(row[PROMPT]) for row in read_parquet(out / PPO_PROMPTS_FILE, PPO_PROMPTS)}
@@ -168,16 +189,26 @@ def _prepare_demo(cfg: Config, out: Path) -> Result:
                   metrics=counts.as_metrics() | demo_counts.as_metrics())
 
 
-def load_tokenizer(name: str | None) -> PreTrainedTokenizerBase | None:
-    """The tokenizer ``rlhf prep --tokenizer`` names (a local folder or a cached id), or None."""
-    if name is None:
+def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase | None:
+    """The tokenizer the lengths count (``cfg.tokenizer`` with ``cfg.tokens``, loaded as every stage loads the
+    policy's), or None for characters. DataError in one line when it cannot be loaded."""
+    if cfg.tokenizer is None:
         return None
-    from transformers import AutoTokenizer  # imported only when asked for: it is slow to import
+    # imported only when asked for: loading models pulls in torch
+    from tasks.models import TOKENIZER_FILES
+    from tasks.models import load_tokenizer as load_policy_tokenizer
+    from tasks.runtime import local_model
 
+    where = f"the tokenizer of {cfg.tokenizer!r} (sft.base_model, or `rlhf prep --tokenizer`)"
     try:
-        return AutoTokenizer.from_pretrained(name)
-    except OSError as err:
-        raise DataError(f"tokenizer {name!r} cannot be loaded ({err}); give a local path or a cached model id") from err
+        folder = Path(local_model(cfg.tokenizer))
+        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise OSError(f"{folder} holds none of {', '.join(TOKENIZER_FILES)}")
+        return load_policy_tokenizer(folder, cfg.tokens, "sft.tokens")
+    except (OSError, ValueError) as err:
+        why = " ".join(str(err).split()) or type(err).__name__
+        raise DataError(f"{where} cannot be loaded to count data-prep lengths in tokens ({why}); give a model folder "
+                        "saved with its tokenizer, a models:/ URI or a cached model id") from err
 
 
 def summary(result: Result, folder: Path) -> str:
@@ -201,7 +232,7 @@ def _read_counts(path: Path) -> dict[str, object]:
 
 def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     result = STAGE.result(artifact)
-    pub.log_params(flatten_for_params(cfg))
+    pub.log_params({**flatten_for_params(cfg), "length_unit": cfg.length_unit})
     pub.log_metrics(result.metrics)
     pub.log_files([result.counts, result.quarantine], "data")
     tables = {"train_pairs": (result.train_pairs, "training"), "heldout_pairs": (result.heldout_pairs, "evaluation"),

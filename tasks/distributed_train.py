@@ -22,13 +22,13 @@ from typing import Any
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
-from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed
+from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed, partitioned_loading
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.ppo_loop import train_ppo
 from rlhf_core.training.reward_training import PreferencePair, train_reward_model
 from tasks.io import read_prompts
 from tasks.launch import DistributedJob, reward_history_to_json
-from tasks.models import build_ppo_models, load_tokenizer, max_positions, tokenize_prompts
+from tasks.models import build_ppo_models, config_max_positions, load_tokenizer, tokenize_prompts
 from tasks.runtime import Runtime
 from tasks.typed_yaml import build
 
@@ -80,7 +80,9 @@ def train_reward(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[s
     spec, folder = job.reward, Path(job.workdir)
     cfg = job_settings(RewardTrainingConfig, spec["training"], "reward_model.training", job)
     tokenizer = load_tokenizer(spec["model_dir"])
-    model = load_reward_model(spec["model_dir"], runtime.torch_dtype).to(runtime.torch_device)
+    with partitioned_loading(deepspeed_config, spec["model_dir"], runtime.torch_dtype) as partitioned:
+        model = load_reward_model(spec["model_dir"], runtime.torch_dtype)  # ZeRO-3: each rank holds its shard only
+    model = model if partitioned else model.to(runtime.torch_device)
     pairs = json.loads(Path(spec["pairs_file"]).read_text(encoding="utf-8"))
     share = math.ceil(cfg.batch_size / world_size)  # pairs per process and step; micro_batch_size of them per forward
     factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=min(share, cfg.micro_batch_size or share))
@@ -98,9 +100,10 @@ def train_policy(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[s
     spec = job.ppo
     config = job_settings(PPOConfig, spec["config"], "ppo", job)
     tokenizer = load_tokenizer(spec["reference_dir"])
-    models = build_ppo_models(config, runtime, int(spec["seed"]), spec["reference_dir"], spec["reward_dir"], tokenizer)
+    models = build_ppo_models(config, runtime, int(spec["seed"]), spec["reference_dir"], spec["reward_dir"], tokenizer,
+                              lambda folder: partitioned_loading(deepspeed_config, folder, runtime.torch_dtype))
     prompts = tokenize_prompts(read_prompts(spec["prompts_file"]), spec["prompts_file"], tokenizer,
-                               max_positions(models.policy) - config.generation.max_new_tokens)
+                               config_max_positions(spec["reference_dir"]) - config.generation.max_new_tokens)
     writer = MetricsWriter(Path(job.workdir) / "metrics.jsonl") if rank == 0 else None
     train_ppo(models, prompts, config, int(spec["n_updates"]), checkpoint_dir=spec["checkpoint_dir"],
               checkpoint_every=int(spec["checkpoint_every"]),

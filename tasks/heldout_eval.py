@@ -158,7 +158,7 @@ def judge_replies(judging: Judging, prompts: Sequence[str], inputs: Inputs) -> t
     scorers = judging.scorers(inputs.proxy, inputs.heldout, tokenizer)
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     replies = sample_and_judge(policy, reference, tokenizer, prompt_ids, judging.sampling(policy, prompt_ids),
-                               scorers, judging.seed)
+                               scorers, judging.seed, judging.max_tokens_per_forward)
     if judging.gold:
         replies = tuple(with_scores(r, "gold", [gold_score(p, t) for p, t in zip(prompts, r.replies, strict=True)])
                         for r in replies)

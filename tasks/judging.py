@@ -36,6 +36,8 @@ class Judging:
     """``eval.temperature``; 0 = greedy."""
     batch_size: int
     """``eval.batch_size``: prompts generated and scored at once."""
+    max_tokens_per_forward: int | None
+    """``eval.max_tokens_per_forward``: most tokens in one reward-model scoring forward (None = rows only)."""
     generation: GenerationConfig
     """PPO's rollout settings (``ppo.generation``): budget, top-k, top-p."""
     proxy_max_length: int
@@ -48,7 +50,8 @@ class Judging:
     @classmethod
     def of(cls, config: PipelineConfig) -> Judging:
         ev = config.eval
-        return cls(Runtime.of(config), config.seed, ev.n_prompts, ev.temperature, ev.batch_size, config.ppo.generation,
+        return cls(Runtime.of(config), config.seed, ev.n_prompts, ev.temperature, ev.batch_size,
+                   ev.max_tokens_per_forward, config.ppo.generation,
                    config.reward_model.training.max_length, config.reward_model.heldout.max_length,
                    config.data.source == "demo")
 
@@ -62,9 +65,10 @@ class Judging:
     def scorers(self, proxy: ModelInput, heldout: ModelInput,
                 tokenizer: PreTrainedTokenizerBase) -> dict[str, RewardModelScorer]:
         """The proxy and held-out reward models as scorers of replies in the policy's tokens."""
-        return {"proxy": reward_scorer(self.runtime, proxy.path, tokenizer, self.proxy_max_length, self.batch_size),
+        return {"proxy": reward_scorer(self.runtime, proxy.path, tokenizer, self.proxy_max_length, self.batch_size,
+                                       self.max_tokens_per_forward),
                 "heldout": reward_scorer(self.runtime, heldout.path, tokenizer, self.heldout_max_length,
-                                         self.batch_size)}
+                                         self.batch_size, self.max_tokens_per_forward)}
 
 
 def read_eval_prompts(path: str | Path, n_prompts: int) -> list[str]:

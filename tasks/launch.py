@@ -5,13 +5,14 @@ used to call ``train_reward_model`` / ``train_ppo``. Without ``distributed.deeps
 calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the stage's settings as data), starts
 ``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun
 or the deepspeed launcher, feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow
-callback while they run, and loads the trained weights back into the stage's models: everything after the
-training (saving, registering, samples, plots) is the same code either way.
+callback while they run, and only then builds the stage's models and loads the trained weights into them (the
+stage holds no model while its workers train): everything after the training (saving, registering, samples,
+plots) is the same code either way.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from safetensors.torch import load_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
+from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
@@ -82,77 +84,75 @@ class DistributedJob:
 # --------------------------------------------------------------------------------------------- stage side
 
 
-def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime, model: PreTrainedModel,
-                     tokenizer: PreTrainedTokenizerBase, train: Sequence[PreferencePair],
-                     evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig, on_log: OnLog, eval_every: int,
-                     workdir: str | os.PathLike[str]) -> RewardTrainingResult:
-    """``train_reward_model`` here (``distributed`` None), or on DeepSpeed workers (then ``model`` gets their
-    trained weights)."""
+def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime,
+                     initial: Callable[[], PreTrainedModel], tokenizer: PreTrainedTokenizerBase,
+                     train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig,
+                     on_log: OnLog, eval_every: int,
+                     workdir: str | os.PathLike[str]) -> tuple[PreTrainedModel, RewardTrainingResult]:
+    """(the trained reward model, its history): ``train_reward_model`` on the model ``initial()`` builds, here
+    (``distributed`` None) or on DeepSpeed workers.
+
+    Launched, the stage builds the initial model (its fresh head drawn as in this process), saves it for the
+    workers and drops it before they start, so it holds no model while they train; afterwards it rebuilds the
+    model from that folder and loads the weights rank 0 saved.
+    """
     if distributed is None:
-        return train_reward_model(model, tokenizer, train, evaluate_on, cfg, on_log=on_log, eval_every=eval_every)
+        model = initial()
+        return model, train_reward_model(model, tokenizer, train, evaluate_on, cfg, on_log=on_log,
+                                          eval_every=eval_every)
     folder = _fresh(workdir)
-    model.save_pretrained(folder / "initial")
+    _save_and_drop(initial(), folder / "initial")  # the only reference to the model: gone after this line
     tokenizer.save_pretrained(folder / "initial")
     pairs = {"train": [asdict(p) for p in train], "eval": [asdict(p) for p in evaluate_on]}
     (folder / "pairs.json").write_text(json.dumps(pairs), encoding="utf-8")
     job = _job(distributed, runtime, folder, "reward-model", reward={
         "model_dir": str(folder / "initial"), "pairs_file": str(folder / "pairs.json"),
         "training": config_to_dict(cfg), "eval_every": eval_every})
-    with off_the_accelerator([model]):
-        launch(distributed, job, on_log)
+    launch(distributed, job, on_log)
+    model = load_reward_model(str(folder / "initial"), runtime.torch_dtype)
     load_model(model, str(folder / "trained.safetensors"))
-    return reward_history_from_json(json.loads((folder / "history.json").read_text(encoding="utf-8")))
+    history = reward_history_from_json(json.loads((folder / "history.json").read_text(encoding="utf-8")))
+    return model.to(runtime.torch_device), history
 
 
 def run_ppo_training(config: PPOConfig, runtime: Runtime, seed: int, distributed: DistributedSection | None,
-                     models: PPOModels, prompts: Sequence[Sequence[int]], n_updates: int, checkpoint_dir: Path,
-                     on_log: OnLog, init_from: str | None, inputs: dict[str, str],
-                     workdir: str | os.PathLike[str], checkpoint_every: int = 0) -> PPORunResult:
-    """``train_ppo`` here (``distributed`` None), or on DeepSpeed workers (then ``models`` get the weights of their
-    final checkpoint). ``inputs``: ``reference_dir``, ``reward_dir`` (local model folders) and ``prompts_file``,
-    from which each worker builds the same models and prompts as the stage did."""
+                     build_models: Callable[[], PPOModels], prompts: Sequence[Sequence[int]], n_updates: int,
+                     checkpoint_dir: Path, on_log: OnLog, init_from: str | None, inputs: dict[str, str],
+                     workdir: str | os.PathLike[str], checkpoint_every: int = 0) -> tuple[PPOModels, PPORunResult]:
+    """(the trained models, the run's history): ``train_ppo`` on the models ``build_models()`` builds, here
+    (``distributed`` None), or on DeepSpeed workers. ``inputs``: ``reference_dir``, ``reward_dir`` (local model
+    folders) and ``prompts_file``, from which each worker builds the same models and prompts as the stage would.
+
+    Launched, the stage builds no model until the workers have ended; then it builds them and loads the weights of
+    the workers' final checkpoint.
+    """
     if distributed is None:
-        return train_ppo(models, prompts, config, n_updates, checkpoint_dir=checkpoint_dir,
-                         checkpoint_every=checkpoint_every,
-                         on_step=lambda s: on_log(s.step, s.to_metrics()), init_from=init_from)
+        models = build_models()
+        return models, train_ppo(models, prompts, config, n_updates, checkpoint_dir=checkpoint_dir,
+                                 checkpoint_every=checkpoint_every,
+                                 on_step=lambda s: on_log(s.step, s.to_metrics()), init_from=init_from)
     folder = _fresh(workdir)
     job = _job(distributed, runtime, folder, "ppo", ppo={
         **inputs, "config": config_to_dict(config), "seed": seed, "n_updates": n_updates,
         "checkpoint_dir": str(Path(checkpoint_dir).resolve()), "checkpoint_every": checkpoint_every,
         "init_from": init_from})
-    scorer_model = getattr(models.scorer, "model", None)  # a reward-model scorer's network; rule scorers have none
-    with off_the_accelerator([models.policy, models.reference, models.value_model, scorer_model]):
-        launch(distributed, job, on_log)
+    launch(distributed, job, on_log)
     final = latest_checkpoint(checkpoint_dir)
     if final is None:
         raise RuntimeError(f"the PPO workers finished without a checkpoint in {checkpoint_dir}; see their log above")
+    models = build_models()
     state = load_checkpoint_weights(models, config, final)
-    return PPORunResult(history=list(state["history"]))
+    return models, PPORunResult(history=list(state["history"]))
 
 
-@contextlib.contextmanager
-def off_the_accelerator(modules: Sequence[torch.nn.Module | None]) -> Iterator[None]:
-    """Hold ``modules`` in host memory while the block runs, then put each back on its device.
-
-    The stage process built its models on the configured device before launching workers that use every device,
-    that one included; left there, they would take the memory of one worker's models from cuda:0 for the whole
-    training. Modules already on the CPU (and None) are left alone.
-    """
-    moved = []
-    for module in modules:
-        if module is None:
-            continue
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        if device.type != "cpu":
-            module.to("cpu")
-            moved.append((module, device))
-    if moved and torch.cuda.is_available():
+def _save_and_drop(model: PreTrainedModel, folder: Path) -> None:
+    """Save ``model`` (Hugging Face layout) and free it: the caller passed its only reference, which ends with this
+    call; the collector and the accelerator's cache then give its memory back before the workers start."""
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    try:
-        yield
-    finally:
-        for module, device in moved:
-            module.to(device)
 
 
 def _fresh(workdir: str | os.PathLike[str]) -> Path:
@@ -176,7 +176,8 @@ def _job(distributed: DistributedSection, runtime: Runtime, folder: Path, stage:
 
 def launch_command(section: DistributedSection, job_file: Path, node_rank: int = 0,
                    port: int | None = None) -> list[str]:
-    """The command line that starts every worker of ``job_file`` (on this node, for torchrun); ``port``: the
+    """The command line that starts every worker of ``job_file``: on node ``node_rank`` for torchrun (run once per
+    node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per node); ``port``: the
     rendezvous port (``section.master_port`` when None; one of them must be set)."""
     port = port or section.master_port
     if port is None:
@@ -186,12 +187,14 @@ def launch_command(section: DistributedSection, job_file: Path, node_rank: int =
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={section.num_processes}",
                 f"--nnodes={section.num_nodes}", f"--node-rank={node_rank}", f"--master-addr={section.master_addr}",
                 f"--master-port={port}", *worker]
+    # DeepSpeed's runner starts every node itself (pdsh over ssh to the hostfile's first num_nodes hosts, each with
+    # num_gpus processes); with one active host it starts them locally.
     command = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_addr={section.master_addr}",
-               f"--master_port={port}", f"--num_nodes={section.num_nodes}"]
+               f"--master_port={port}", f"--num_nodes={section.num_nodes}", f"--num_gpus={section.num_processes}"]
     if section.hostfile is not None:
         command.append(f"--hostfile={section.hostfile}")
-    if section.num_nodes == 1:
-        command.append(f"--num_gpus={section.num_processes}")
+    if section.num_nodes == 1:  # one host starts locally; the runner's ssh check of a hostfile's host is moot
+        command.append("--no_ssh_check")
     return [*command, "--module", "tasks.distributed_train", "--job", str(job_file)]
 
 

@@ -6,10 +6,11 @@ the evaluation stages, the four PPO roles for ppo-iteration and its workers, and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.models import families
@@ -48,28 +49,39 @@ def load_frozen_lm(runtime: Runtime, folder: str | Path) -> tuple[PreTrainedMode
 
 
 def reward_scorer(runtime: Runtime, folder: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                  batch_size: int) -> RewardModelScorer:
-    """A frozen reward model as a scorer of policy rollouts (re-tokenizing when its tokenizer differs)."""
+                  batch_size: int, max_tokens: int | None = None) -> RewardModelScorer:
+    """A frozen reward model as a scorer of policy rollouts (re-tokenizing when its tokenizer differs), ``batch_size``
+    rows and at most ``max_tokens`` tokens per forward."""
     model = load_reward_model(str(folder), runtime.torch_dtype).to(runtime.torch_device)
-    return RewardModelScorer(freeze(model), tokenizer, tokenizer_of(folder), max_length, batch_size)
+    return RewardModelScorer(freeze(model), tokenizer, tokenizer_of(folder), max_length, batch_size, max_tokens)
 
 
 def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_dir: str | Path,
-                     reward_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> PPOModels:
+                     reward_dir: str | Path, tokenizer: PreTrainedTokenizerBase,
+                     policy_loading: Callable[[str | Path], contextlib.AbstractContextManager[bool]] | None = None,
+                     ) -> PPOModels:
     """Policy (starts as the reference), frozen reference, frozen RM scorer and the configured value model (none for
     a critic-free estimator).
 
     With ``config.lora.enabled`` the policy is a LoRA adapter on the SFT weights, the reference is the same
     model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
-    of base weights instead of four.
+    of base weights instead of four. ``policy_loading(reference_dir)``: the block the policy is loaded in, which
+    says whether it came out partitioned (DeepSpeed workers: ``zero.partitioned_loading``); a partitioned policy
+    is left where ZeRO put it and the reference is loaded from disk on its own, not copied from it.
     """
     device, dtype, lora = runtime.torch_device, runtime.torch_dtype, config.lora
-    policy = load_policy(str(reference_dir), dtype).to(device)
+    with (policy_loading or _whole)(reference_dir) as partitioned:
+        policy = load_policy(str(reference_dir), dtype)
+    policy = policy if partitioned else policy.to(device)
     hidden_size = policy.config.hidden_size
     reward_model = load_reward_model(str(reward_dir), dtype).to(device)
     rm_tokenizer = load_tokenizer(reward_dir)
-    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.micro_batch_size)
-    policy, reference = lora_policy(policy, lora, seed) if lora.enabled else (policy, make_reference(policy))
+    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.micro_batch_size,
+                               max_tokens=config.max_tokens_per_forward)
+    if partitioned:  # ZeRO-3 refuses LoRA (frozen weights in a trained model); the copy would copy only shards
+        reference = freeze(load_policy(str(reference_dir), dtype).to(device))
+    else:
+        policy, reference = lora_policy(policy, lora, seed) if lora.enabled else (policy, make_reference(policy))
     common = dict(policy=policy, reference=reference, scorer=scorer,
                   stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_id(tokenizer))
     if not config.uses_value_model:  # a critic-free estimator: no value model is built or loaded
@@ -79,6 +91,12 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))
     return PPOModels(**common, value_head=ValueHead(hidden_size, seed=seed).to(device))
+
+
+@contextlib.contextmanager
+def _whole(folder: str | Path) -> Iterator[bool]:
+    """Load as usual: every process holds the whole model."""
+    yield False
 
 
 def check_critic(reward_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
@@ -99,6 +117,14 @@ def max_positions(model: PreTrainedModel) -> int:
     if positions is None:
         raise ValueError(f"{type(model).__name__}'s config names no maximum length (n_positions / "
                          "max_position_embeddings)")
+    return positions
+
+
+def config_max_positions(folder: str | Path) -> int:
+    """:func:`max_positions` of the model saved in ``folder``, read from its config alone (no weights loaded)."""
+    positions = families.config_positions(AutoConfig.from_pretrained(str(folder)))
+    if positions is None:
+        raise ValueError(f"the config of {folder} names no maximum length (n_positions / max_position_embeddings)")
     return positions
 
 

@@ -1,13 +1,13 @@
 """The ppo-iteration stage: ``ppo.updates_per_iteration`` more PPO updates, and the policy they give.
 
-Iteration k continues iteration k-1 from the final checkpoint in its artifact (weights, optimizer, KL controller,
-prompt cursor, RNGs; score moments restart if the reward model changed), so the iterations together are one
-continuous PPO run. While it runs, iteration k checkpoints into the work folder of its own key: a killed iteration
-resumes from there, and only an iteration with the same
-key (same config, same SFT policy, same reward model, same previous iteration, same code) ever does; a new reward
-model or SFT policy gives a new key and a fresh start from iteration k-1. The artifact holds the final checkpoint
-(``checkpoint/``), the policy in Hugging Face layout (``policy/``, plus the value model's trained weights), a sample
-table and the training curves.
+Iteration k continues iteration k-1 from the final checkpoint in its resume state (weights, optimizer, KL
+controller, prompt cursor, RNGs; score moments restart if the reward model changed), so the iterations together are
+one continuous PPO run. The resume state is published beside the artifact, not in it (``RunStore.resume_state``):
+publishing iteration k prunes those of iterations before the newest ``ppo.keep_resume_states``. While it runs,
+iteration k checkpoints into the work folder of its own key: a killed iteration resumes from there, and only an
+iteration with the same key (same config, same SFT policy, same reward model, same previous iteration, same code)
+ever does; a new reward model or SFT policy gives a new key and a fresh start from iteration k-1. The artifact holds the policy in Hugging
+Face layout (``policy/``, plus the value model's trained weights), a sample table and the training curves.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from rlhf_core.training.checkpoint import latest_checkpoint, trainable_view
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.rollout import generate, left_pad
 from rlhf_core.config import PPOConfig
+from rlhf_core.ranges import KeptCount
 from tasks.config import DistributedSection, PipelineConfig
 from tasks.io import read_prompts, write_frame, write_json
 from tasks.launch import run_ppo_training
-from tasks.models import build_ppo_models, load_tokenizer, max_positions, tokenize_prompts
+from tasks.models import build_ppo_models, config_max_positions, load_tokenizer, tokenize_prompts
 from tasks.plots import save_figure, training_curves
-from tasks.run_store import Artifact
+from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput, Runtime
 from tasks.stage import Publication, Stage, StageContext, stage_task
 from tasks.typed_yaml import flatten_for_params
@@ -65,6 +66,8 @@ class Config:
     """k: this stage runs updates (k-1)*U+1 .. k*U."""
     distributed: DistributedSection | None = None
     """DeepSpeed workers for the training (None: in this process)."""
+    keep_resume_states: KeptCount = 2
+    """``ppo.keep_resume_states``: finished iterations whose resume state is kept (pruned at publication)."""
 
     @classmethod
     def of(cls, config: PipelineConfig, iteration: int) -> Config:
@@ -74,7 +77,7 @@ class Config:
                          total_updates=total)
         distributed = config.distributed if config.distributed.runs(NAME) else None
         return cls(core, section.updates_per_iteration, section.checkpoint_every, Runtime.of(config), config.seed,
-                   iteration, distributed)
+                   iteration, distributed, section.keep_resume_states)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Result:
     """The last update's ``ppo/*`` metrics."""
     policy: str = POLICY_DIR
     checkpoint: str = CHECKPOINT_DIR
+    """The final checkpoint, in the iteration's resume state (:func:`resume_checkpoint`), not in the artifact."""
     samples: str = SAMPLES_FILE
     plot: str | None = None
     metrics_file: str = METRICS_FILE
@@ -107,30 +111,45 @@ def model_input(artifact: Artifact) -> ModelInput:
     return ModelInput(artifact, STAGE.result(artifact).policy)
 
 
+def resume_checkpoint(store: RunStore, artifact: Artifact) -> Path:
+    """The final checkpoint of a ppo-iteration artifact, which the next iteration continues from; ResumeStateError
+    in one line when ``ppo.keep_resume_states`` pruned it."""
+    iteration = int(artifact.result["iteration"])
+    remedy = (f"redo the iterations from one whose state is kept (`rlhf stage ppo-iteration-1 RUN_ID` always can: "
+              f"iteration 1 starts from the SFT policy), with ppo.keep_resume_states high enough to keep iteration "
+              f"{iteration}'s state")
+    return store.resume_state(artifact, STAGE.result(artifact).checkpoint, remedy)
+
+
 def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     target_steps = cfg.iteration * cfg.updates_per_iteration
     init_from = None
     if inputs.previous is not None:
-        init_from = str(inputs.previous.path(inputs.previous.result["checkpoint"]))
+        init_from = str(resume_checkpoint(ctx.store, inputs.previous))
     elif cfg.iteration > 1:
         raise ValueError(f"iteration {cfg.iteration} continues iteration {cfg.iteration - 1}, which was not given")
     reference_dir, reward_dir = inputs.reference.path, inputs.reward.path
     tokenizer = load_tokenizer(reference_dir)
-    models = build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, reference_dir, reward_dir, tokenizer)
     prompts_file = inputs.data.path(inputs.data.result["ppo_prompts"])
     prompts = tokenize_prompts(read_prompts(prompts_file), str(prompts_file), tokenizer,
-                               max_positions(models.policy) - cfg.ppo.generation.max_new_tokens)
+                               config_max_positions(reference_dir) - cfg.ppo.generation.max_new_tokens)
     checkpoints = ctx.work / "checkpoints"
 
     def on_log(step: int, metrics: dict[str, float]) -> None:
         ctx.tracker.log(metrics, step, to_parent=CURVE_KEYS)
 
-    # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/launch.py).
-    result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed, models, prompts, target_steps,
-                              checkpoints, on_log, init_from, {"reference_dir": reference_dir, "reward_dir": reward_dir,
-                                                               "prompts_file": str(prompts_file)},
-                              ctx.work / "distributed", cfg.checkpoint_every)
-    shutil.move(str(latest_checkpoint(checkpoints)), ctx.out / CHECKPOINT_DIR)
+    def build_models() -> PPOModels:
+        return build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, reference_dir, reward_dir, tokenizer)
+
+    # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/launch.py): then the
+    # models are built only after the workers end, from their final checkpoint.
+    models, result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed, build_models, prompts,
+                                      target_steps, checkpoints, on_log, init_from,
+                                      {"reference_dir": reference_dir, "reward_dir": reward_dir,
+                                       "prompts_file": str(prompts_file)}, ctx.work / "distributed",
+                                      cfg.checkpoint_every)
+    ctx.resume.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(latest_checkpoint(checkpoints)), ctx.resume / CHECKPOINT_DIR)
     _save_policy(models, tokenizer, ctx.out / POLICY_DIR)
     _write_samples(models, tokenizer, prompts, cfg, ctx.out / SAMPLES_FILE)
     plot = _plot_curves(result.history, ctx.out / CURVES_PNG)
@@ -180,6 +199,8 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
         pub.log_files([result.plot], "plots")
     pub.set_tags({"iteration": cfg.iteration})
     pub.register("policy", pub.names.policy_model, result.policy)
+    # Only once this iteration is published: a failed iteration k leaves k-1's state for its retry.
+    pub.runner.store.prune_resume_states(artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
 
 
 STAGE = Stage(NAME, compute, publish, Result)

@@ -133,6 +133,11 @@ def _check_positions(config: PipelineConfig, origins: Mapping[str, str], models:
     if config.ppo.generation.max_new_tokens >= positions:
         raise bad_value(key, config.ppo.generation.max_new_tokens, origins,
                         f"must be < the {positions} positions of {model} (a prompt needs room too)")
+    # data.prep.max_prompt_length counts the base model's tokens (data-prep loads its tokenizer), else characters
+    prompt, reply = config.data.prep.max_prompt_length, config.ppo.generation.max_new_tokens
+    if config.sft.base_model is not None and prompt is not None and prompt + reply > positions:
+        raise bad_value("data.prep.max_prompt_length", prompt, origins, f"+ {key} ({reply}) must be <= the "
+                        f"{positions} positions of {model}, or PPO refuses the longest prompts data-prep keeps")
 
 
 def _policy_positions(config: PipelineConfig, models: ModelsAtHand) -> tuple[int | None, str]:

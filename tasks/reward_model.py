@@ -19,16 +19,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.evaluation.metrics import pairwise_agreement, spearman
 from rlhf_core.models.lm import ModelSize, build_reward_model, config_for_tokenizer
-from rlhf_core.models.families import describe, max_positions, score_prefix
-from rlhf_core.models.roles import init_reward_model, sequence_scores
-from rlhf_core.models.text import pad_id, right_pad
+from rlhf_core.models.families import config_positions, describe, score_prefix
+from rlhf_core.models.roles import init_reward_model
+from rlhf_core.models.text import pad_id
 from rlhf_core.models.tokenizer import SpecialTokens
-from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs
+from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs, score_pairs
 from tasks.config import DistributedSection, PipelineConfig, RewardModelSection
 from tasks.io import read_pairs, write_json
 from tasks.launch import fit_reward_model
@@ -108,9 +108,15 @@ def model_input(artifact: Artifact, role: str) -> ModelInput:
 class _Fitted:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    max_length: int
+    training: RewardTrainingConfig
+    """Its training settings (``max_length`` cut to the model's positions): scoring reads them as training did."""
     history: RewardTrainingResult
     metrics: dict[str, float]
+
+    def pair_scores(self, pairs: Sequence[PreferencePair]) -> tuple[list[float], list[float]]:
+        """:func:`pair_scores` of this model, as many pairs and tokens per forward as its training used."""
+        return pair_scores(self.model, self.tokenizer, pairs, self.training.max_length,
+                           self.training.micro_batch_size or 64, self.training.max_tokens_per_forward)
 
 
 def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
@@ -118,8 +124,8 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     train, heldout = read_pairs(data.path(data.result["train_pairs"])), read_pairs(data.path(data.result["heldout_pairs"]))
     cross_sample = _sample(train, MAX_CROSS_EVAL_PAIRS, section.heldout.seed)
     ctx.tracker.flush_every = FLUSH_EVERY
-    proxy = _fit("proxy", *_start(cfg, "proxy", inputs.sft), train, heldout, cfg, ctx)
-    held = _fit("heldout", *_start(cfg, "heldout", inputs.sft), heldout, cross_sample, cfg, ctx)
+    proxy = _fit("proxy", inputs.sft, train, heldout, cfg, ctx)
+    held = _fit("heldout", inputs.sft, heldout, cross_sample, cfg, ctx)
     cross, proxy_scores = _cross_metrics(proxy, held, heldout)
     metrics = {**proxy.metrics, **held.metrics, **cross}
     plots = _plots(ctx.out, proxy.history, held.history, proxy_scores)
@@ -161,18 +167,33 @@ def _load_tokenizer(path: str, setting: str, tokens: SpecialTokens = SpecialToke
                          "with save_pretrained (model + tokenizer)") from err
 
 
-def _start(cfg: Config, role: str, sft: ModelInput | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase,
-                                                                    RewardTrainingConfig]:
-    """The ``role`` reward model's starting weights (a 1-output sequence classifier on the configured device), its
-    tokenizer (SFT backbone + fresh head, fresh, or any checkpoint: continued, or under a fresh head) and its training
-    settings, ``max_length`` cut to the model's positions."""
+def _settings(cfg: Config, role: str,
+              sft: ModelInput | None) -> tuple[str | None, PreTrainedTokenizerBase, RewardTrainingConfig]:
+    """The ``role`` reward model's initial weights folder (None: 'scratch'), its tokenizer, and its training settings
+    with ``max_length`` cut to the model's positions (read from its config: no weights are loaded here)."""
     section = cfg.reward_model
     init, setting = section.init_of(role), "reward_model.init" if role == "proxy" else "reward_model.heldout_init"
     init_dir, tokenizer = resolve_init(init, sft, section.tokens, setting)
     training = section.training if role == "proxy" else section.heldout
+    shape = AutoConfig.from_pretrained(init_dir) if init_dir is not None else config_for_tokenizer(tokenizer,
+                                                                                                    cfg.model_size)
+    positions = config_positions(shape)
+    if positions is not None and training.max_length > positions:  # as sft does: no longer than the model reads
+        log.info("reward-model %s: max_length %d cut to the %d positions of %s", role, training.max_length, positions,
+                 init)
+        training = replace(training, max_length=positions)
+    return init_dir, tokenizer, training
+
+
+def _start(cfg: Config, role: str, init_dir: str | None, tokenizer: PreTrainedTokenizerBase,
+           training: RewardTrainingConfig) -> PreTrainedModel:
+    """The ``role`` reward model's starting weights, a 1-output sequence classifier on the configured device: the SFT
+    backbone + fresh head, fresh ('scratch', ``init_dir`` None), or any checkpoint (continued, or under a fresh
+    head), the fresh parts drawn with ``training.seed``."""
+    init = cfg.reward_model.init_of(role)
     seed, dtype = training.seed, cfg.runtime.torch_dtype
     torch.manual_seed(seed)  # the fresh score head (and a scratch model) differ per seed, reproducibly
-    if init == "scratch":
+    if init_dir is None:
         model = build_reward_model(config_for_tokenizer(tokenizer, cfg.model_size), seed).to(dtype)
     else:
         model, fresh = init_reward_model(init_dir, seed, dtype, pad_id(tokenizer))
@@ -182,18 +203,14 @@ def _start(cfg: Config, role: str, sft: ModelInput | None) -> tuple[PreTrainedMo
     # The tokenizer's pad id is the model's (a decoder head reading the last non-pad token would otherwise misread).
     model.config.pad_token_id = pad_id(tokenizer)
     score_prefix(model, tokenizer)  # an encoder without a [CLS] / bos fails here, naming the setting
-    positions = max_positions(model)
-    if positions is not None and training.max_length > positions:  # as sft does: no longer than the model reads
-        log.info("reward-model %s: max_length %d cut to the %d positions of %s", role, training.max_length, positions,
-                 init)
-        training = replace(training, max_length=positions)
-    return model.to(cfg.runtime.torch_device), tokenizer, training
+    return model.to(cfg.runtime.torch_device)
 
 
-def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, training: RewardTrainingConfig,
-         train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair], cfg: Config,
-         ctx: StageContext) -> _Fitted:
-    """Train one reward model, log its curve under ``rm/<role>/``, and return its final metrics."""
+def _fit(role: str, sft: ModelInput | None, train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair],
+         cfg: Config, ctx: StageContext) -> _Fitted:
+    """Train one reward model, log its curve under ``rm/<role>/``, and return its final metrics. The model is built
+    inside ``fit_reward_model`` (launched: saved for the workers and dropped before they start)."""
+    init_dir, tokenizer, training = _settings(cfg, role, sft)
     steps = training.epochs * math.ceil(len(train) / training.batch_size)
     log.info("reward-model %s: %d train pairs, %d eval pairs, %d steps", role, len(train), len(evaluate_on), steps)
 
@@ -205,28 +222,26 @@ def _fit(role: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         elif step % FLUSH_EVERY == 0:
             log.info("reward-model %s step %d: train loss %.4f", role, step, metrics["rm/train/loss"])
 
-    history = fit_reward_model(cfg.distributed, cfg.runtime, model, tokenizer, train, evaluate_on, training, on_log,
-                               max(1, steps // EVALS_PER_TRAINING), ctx.work / "distributed" / role)
+    model, history = fit_reward_model(cfg.distributed, cfg.runtime,
+                                      lambda: _start(cfg, role, init_dir, tokenizer, training), tokenizer, train,
+                                      evaluate_on, training, on_log, max(1, steps // EVALS_PER_TRAINING),
+                                      ctx.work / "distributed" / role)
     ctx.tracker.flush()
     metrics = {f"rm/{role}/eval/{k}": float(v) for k, v in asdict(history.final_eval).items()}
     metrics |= {f"rm/{role}/train/final_loss": history.train_loss[-1], f"rm/{role}/train/steps": float(steps),
                 f"rm/{role}/train/seconds": history.seconds, f"rm/{role}/train/n_truncated": float(history.n_truncated)}
-    return _Fitted(model.eval(), tokenizer, training.max_length, history, metrics)
+    return _Fitted(model.eval(), tokenizer, training, history, metrics)
 
 
 @torch.no_grad()
 def pair_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[PreferencePair],
-                max_length: int, batch_size: int = 64) -> tuple[list[float], list[float]]:
-    """Scores of every chosen and every rejected reply, in pair order: ((N,), (N,)) as lists."""
+                max_length: int, batch_size: int = 64,
+                max_tokens: int | None = None) -> tuple[list[float], list[float]]:
+    """Scores of every chosen and every rejected reply, in pair order: ((N,), (N,)) as lists; ``batch_size`` pairs
+    (at most ``max_tokens`` tokens, ``reward_model.*.max_tokens_per_forward``) per forward."""
     encoded = encode_pairs(tokenizer, pairs, max_length, score_prefix(model, tokenizer))
-    device, chosen, rejected = next(model.parameters()).device, [], []
-    for start in range(0, len(pairs), batch_size):
-        c, r = encoded.chosen[start:start + batch_size], encoded.rejected[start:start + batch_size]
-        ids, mask = right_pad(c + r, pad_id(tokenizer))  # (2B, T)
-        scores = sequence_scores(model, ids.to(device), mask.to(device)).float().cpu().tolist()
-        chosen += scores[:len(c)]
-        rejected += scores[len(c):]
-    return chosen, rejected
+    chosen, rejected = score_pairs(model, encoded.chosen, encoded.rejected, pad_id(tokenizer), batch_size, max_tokens)
+    return chosen.cpu().tolist(), rejected.cpu().tolist()
 
 
 def _cross_metrics(proxy: _Fitted, heldout: _Fitted,
@@ -237,8 +252,8 @@ def _cross_metrics(proxy: _Fitted, heldout: _Fitted,
     accuracy tie rule); ``rm/cross/spearman``: rank correlation of their scores over all replies. Also returns the
     proxy's scores for the histogram.
     """
-    p_chosen, p_rejected = pair_scores(proxy.model, proxy.tokenizer, pairs, proxy.max_length)
-    h_chosen, h_rejected = pair_scores(heldout.model, heldout.tokenizer, pairs, heldout.max_length)
+    p_chosen, p_rejected = proxy.pair_scores(pairs)
+    h_chosen, h_rejected = heldout.pair_scores(pairs)
     p_margin = torch.tensor(p_chosen, dtype=torch.float64) - torch.tensor(p_rejected, dtype=torch.float64)
     h_margin = torch.tensor(h_chosen, dtype=torch.float64) - torch.tensor(h_rejected, dtype=torch.float64)
     metrics = {"rm/cross/agreement": pairwise_agreement(p_margin, h_margin),

@@ -116,6 +116,8 @@ class Config:
     """rm_judge: tokens the judge reads (``reward_model.heldout.max_length``)."""
     judge_batch_size: int | None = None
     """rm_judge: replies scored at once (``eval.batch_size``)."""
+    judge_max_tokens: int | None = None
+    """rm_judge: most tokens in one scoring forward (``eval.max_tokens_per_forward``; None = rows only)."""
     gold: bool = False
     """The demo task: also measure the RM against gold's verdicts (never trained on)."""
 
@@ -127,7 +129,8 @@ class Config:
         labels = section.labels_file.replace("{iteration}", str(iteration)) if section.labels_file else None
         return cls(section, training, config.data.prep, config.ppo.generation, Runtime.of(config), config.seed,
                    iteration, labels, config.reward_model.heldout.max_length if judge else None,
-                   config.eval.batch_size if judge else None, config.data.source == "demo")
+                   config.eval.batch_size if judge else None, config.eval.max_tokens_per_forward if judge else None,
+                   config.data.source == "demo")
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,7 @@ def build_annotator(cfg: Config, inputs: Inputs) -> Annotator:
         judge_dir = local_model(section.judge_model) if section.judge_model else inputs.judge.path
         judge = freeze(load_reward_model(judge_dir, cfg.runtime.torch_dtype).to(cfg.runtime.torch_device))
         return RewardModelJudge(judge, load_tokenizer(judge_dir), cfg.judge_max_length,
-                                cfg.judge_batch_size)
+                                cfg.judge_batch_size, cfg.judge_max_tokens)
     raise ValueError(f"refresh.annotator={section.annotator!r} labels through files (tasks/labelling.py), "
                      "not in process")
 
@@ -331,7 +334,8 @@ def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         if not pairs:
             continue
         result = evaluate_reward_model(model, tokenizer, encode_pairs(tokenizer, pairs, cfg.max_length,
-                                                                    score_prefix(model, tokenizer)), cfg.batch_size)
+                                                                    score_prefix(model, tokenizer)), cfg.batch_size,
+                                       cfg.max_tokens_per_forward)
         metrics |= {f"refresh/{name}_accuracy_{when}": result.accuracy, f"refresh/{name}_loss_{when}": result.loss,
                     f"refresh/{name}_margin_{when}": result.margin_mean}
     return metrics

@@ -29,6 +29,7 @@ from prefect import Task, task
 from tasks import tracking
 from tasks.retries import retry_on_transient_io
 from tasks.run_store import ActiveRun, Artifact, RunStore, stage_key
+from tasks.run_store.layout import RESUME_STAGING
 from tasks.tracking import ModelRef, StageTracker
 
 if TYPE_CHECKING:
@@ -56,6 +57,12 @@ class StageContext:
     """'sft', 'ppo-iteration-2', ...: the stage's name in this run."""
     stage: str
     store: RunStore
+
+    @property
+    def resume(self) -> Path:
+        """Where compute leaves resume state for a later stage (a PPO iteration's last checkpoint): published beside
+        the artifact, outside its checksums, and prunable (``RunStore.resume_state`` reads it back)."""
+        return self.work / RESUME_STAGING
 
     def scratch(self, kind: str, identity: Any) -> Path:
         """A folder that outlives this stage's attempts and keys, named by a digest of ``identity``: for what must
@@ -159,9 +166,20 @@ class Publication:
                        f"{self.artifact.identity()}" + (f" (computed by run {self.cached_from})" if self.cached_from
                                                         else ""))
         path = Path(folder) if Path(folder).is_absolute() else self.artifact.path(str(folder))
-        ref = tracking.register_model(path, name, self.mlflow_run_id, lineage, aliases, description)
+        reference = self._reference(path)
+        if reference is not None:
+            lineage["rlhf.model_storage"] = "reference"
+        ref = tracking.register_model(path, name, self.mlflow_run_id, lineage, aliases, description, reference)
         self.models[role] = ref.uri
         return ref
+
+    def _reference(self, path: Path) -> tracking.ArtifactReference | None:
+        """What a version registered by reference points at (``tracking.model_storage=reference``); None = upload
+        the files (the default, and for a folder outside the artifact, which the state folder does not own)."""
+        if self.names.model_storage != "reference" or not path.resolve().is_relative_to(self.artifact.folder.resolve()):
+            return None
+        return tracking.ArtifactReference(self.artifact.identity(),
+                                          path.resolve().relative_to(self.artifact.folder.resolve()).as_posix())
 
     def alias_version(self, name: str, alias: str) -> int | None:
         return tracking.get_alias_version(name, alias)

@@ -101,6 +101,7 @@ def run(setup: str, size: dict[str, int], ppo: dict[str, int], lora_rank: int) -
                        value_model="head" if setup == "lora_head" else "critic",
                        advantage="grpo" if setup == "critic_free" else "gae",
                        samples_per_prompt=2 if setup == "critic_free" else 1,
+                       gradient_checkpointing=bool(ppo.get("gradient_checkpointing", False)),
                        generation=GenerationConfig(max_new_tokens=ppo["max_new_tokens"],
                                                    batch_size=ppo["rollout_batch_size"]))
     rng = random.Random(0)
@@ -132,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", choices=SETUPS, required=True)
     parser.add_argument("--size", required=True, help="JSON: vocab_size, n_positions, n_embd, n_layer, n_head")
-    parser.add_argument("--ppo", required=True, help="JSON: batch sizes, epochs, tokens, steps")
+    parser.add_argument("--ppo", required=True, help="JSON: batch sizes, epochs, tokens, steps[, gradient_checkpointing]")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -18,8 +18,13 @@ class DataPrepConfig:
     `chosen`/`rejected`, else TRL if most text rows have a prompt, else HH) and quarantines rows laid out otherwise
     as format_mismatch."""
     max_length: PositiveInt | None = None
-    """Longest prompt + response allowed (each side), in characters, or in tokens when a tokenizer is given.
-    Longer pairs are quarantined as too_long. None = no limit."""
+    """Longest prompt + response allowed (each side), in tokens when a tokenizer is given (the pipeline gives the
+    policy's whenever ``sft.base_model`` is set), else in characters. Longer pairs are quarantined as too_long.
+    None = no limit."""
+    max_prompt_length: PositiveInt | None = None
+    """Longest prompt allowed, in max_length's unit (tokens of the policy's tokenizer when there is one): pairs and
+    PPO prompts with a longer prompt are quarantined as prompt_too_long, so every PPO prompt leaves room for a reply
+    within the model's positions. Must be < max_length when both are set. None = no limit."""
     max_chars: PositiveInt | None = 100_000
     """Longest prompt, chosen or rejected text allowed, in characters whatever max_length counts (after HH
     splitting or chat rendering): a guard against runaway rows (a 10 MB reply) that holds without max_length or a
@@ -43,3 +48,6 @@ class DataPrepConfig:
             raise ValueError(f"data.prep train/heldout/ppo fractions must be >= 0 and sum to 1, got {fractions}")
         if self.train_fraction <= 0:
             raise ValueError("data.prep.train_fraction must be > 0: the reward model needs training pairs")
+        if None not in (self.max_prompt_length, self.max_length) and self.max_prompt_length >= self.max_length:
+            raise ValueError(f"data.prep.max_prompt_length ({self.max_prompt_length}) must be < data.prep.max_length "
+                             f"({self.max_length}): a prompt needs room for a response within max_length")

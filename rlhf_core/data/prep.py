@@ -22,8 +22,8 @@ from rlhf_core.data.report import DataPrepCounts
 from rlhf_core.data.schema import (CHOSEN, MARGIN, PAIR_ID, PROMPT, PROMPT_ID, REASON, REJECTED, ROW_LEVEL,
                                    SOURCE_FILE, SOURCE_ROW)
 from rlhf_core.data.split import Split, assign_split, pair_id, prompt_id
-from rlhf_core.data.text import (Measure, check_chars, check_length, check_margin, check_string, check_text,
-                                 make_measure)
+from rlhf_core.data.text import (Measure, check_chars, check_length, check_margin, check_prompt_length, check_string,
+                                 check_text, make_measure)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,7 +89,8 @@ def prepare_data(
         quarantined_by_reason=dict(Counter(str(q[REASON]) for q in (*quarantine, *prompt_quarantine))),
         prompt_rows_in=sum(len(f.rows) for f in prompt_files), prompt_rows_accepted=len(prompts) if prompt_files else 0,
         prompt_rows_quarantined=len(prompt_quarantine), formats={p: f.value for p, f in formats.items()},
-        length_unit=ctx.measure.unit, max_length=config.max_length, max_chars=config.max_chars,
+        length_unit=ctx.measure.unit, max_length=config.max_length, max_prompt_length=config.max_prompt_length,
+        max_chars=config.max_chars,
     )
     return PrepTables(splits[Split.TRAIN], splits[Split.HELDOUT], prompts, quarantine + prompt_quarantine, counts)
 
@@ -140,7 +141,8 @@ def validate_row(row: SourceRow, fmt: InputFormat, ctx: PrepContext) -> Record |
     margin = check_margin(row.values.get(MARGIN), MARGIN)
     if isinstance(margin, Rejection):
         return margin
-    too_long = check_length(*text, ctx.config.max_length, ctx.measure)
+    too_long = (check_prompt_length(text.prompt, ctx.config.max_prompt_length, ctx.measure)
+                or check_length(*text, ctx.config.max_length, ctx.measure))
     if too_long is not None:
         return too_long
     return {
@@ -202,6 +204,9 @@ def _validate_prompt(row: SourceRow, ctx: PrepContext) -> str | Rejection:
     cap = ctx.config.max_chars
     if cap is not None and len(text) > cap:
         return Rejection(R.FIELD_TOO_LONG, PROMPT, text, f"prompt is {len(text)} characters > {cap}")
+    too_long = check_prompt_length(text, ctx.config.max_prompt_length, ctx.measure)
+    if too_long is not None:
+        return too_long
     limit = ctx.config.max_length
     if limit is not None and (length := ctx.measure(text)) > limit:
         return Rejection(R.TOO_LONG, PROMPT, text, f"prompt is {length} {ctx.measure.unit} > max_length {limit}")

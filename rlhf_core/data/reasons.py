@@ -19,6 +19,7 @@ class QuarantineReason(str, Enum):
     BAD_MARGIN = "bad_margin"
     IDENTICAL_PAIR = "identical_pair"
     TOO_LONG = "too_long"
+    PROMPT_TOO_LONG = "prompt_too_long"
     FIELD_TOO_LONG = "field_too_long"
     FORMAT_MISMATCH = "format_mismatch"
     DUPLICATE_PAIR = "duplicate_pair"
@@ -52,6 +53,8 @@ _MESSAGES: dict[QuarantineReason, str] = {
     QuarantineReason.IDENTICAL_PAIR: "chosen and rejected are identical, so the pair carries no preference",
     QuarantineReason.TOO_LONG: "prompt + response is longer than the configured max_length (tokens with a "
     "tokenizer, else characters)",
+    QuarantineReason.PROMPT_TOO_LONG: "the prompt is longer than data.prep.max_prompt_length (tokens with a "
+    "tokenizer, else characters), which keeps room for a reply within the model's positions",
     QuarantineReason.FIELD_TOO_LONG: "one text is longer than data.prep.max_chars characters (a guard against "
     "runaway rows; raise it if such texts are expected)",
     QuarantineReason.FORMAT_MISMATCH: "the row is laid out as another format than most rows of its file "

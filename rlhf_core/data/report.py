@@ -37,6 +37,8 @@ class DataPrepCounts:
     """What max_length and too_long lengths count: 'characters', or 'tokens' when a tokenizer was given."""
     max_length: int | None = None
     """The max_length applied (prompt + response, in length_unit); None = no limit."""
+    max_prompt_length: int | None = None
+    """The max_prompt_length applied (each prompt, in length_unit); None = no limit."""
     max_chars: int | None = None
     """The max_chars cap applied (each text, always in characters); None = no cap."""
 
@@ -85,7 +87,9 @@ def format_counts(counts: DataPrepCounts) -> str:
     rows += [("quarantine fraction", f"{counts.quarantine_fraction:.3f}"), ("train pairs", counts.train_pairs),
              ("held-out pairs", counts.heldout_pairs), ("ppo-split pairs", counts.ppo_split_pairs),
              ("ppo prompts", counts.ppo_prompts), ("lengths counted in", counts.length_unit),
-             ("max_length", "no limit" if counts.max_length is None else f"{counts.max_length} {counts.length_unit}"),
-             ("max_chars", "no cap" if counts.max_chars is None else f"{counts.max_chars} characters")]
+             ("max_length", "no limit" if counts.max_length is None else f"{counts.max_length} {counts.length_unit}")]
+    if counts.max_prompt_length is not None:  # shown only when set: most data has no prompt cap
+        rows.append(("max_prompt_length", f"{counts.max_prompt_length} {counts.length_unit}"))
+    rows += [("max_chars", "no cap" if counts.max_chars is None else f"{counts.max_chars} characters")]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -117,6 +117,17 @@ def check_length(
     return None
 
 
+def check_prompt_length(prompt: str, max_prompt_length: int | None, measure: Measure) -> Rejection | None:
+    """PROMPT_TOO_LONG when the prompt alone is over max_prompt_length (None = no limit)."""
+    if max_prompt_length is None:
+        return None
+    length = measure(prompt)
+    if length <= max_prompt_length:
+        return None
+    detail = f"prompt is {length} {measure.unit} > max_prompt_length {max_prompt_length}"
+    return Rejection(R.PROMPT_TOO_LONG, PROMPT, prompt, detail)
+
+
 def check_chars(prompt: str, chosen: str, rejected: str, max_chars: int | None) -> Rejection | None:
     """FIELD_TOO_LONG for the first of prompt, chosen, rejected longer than max_chars characters (None = no cap)."""
     if max_chars is None:

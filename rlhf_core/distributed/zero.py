@@ -12,7 +12,9 @@ by ``torchrun`` or the ``deepspeed`` launcher, each calling them with the same a
 - rollouts: each rank generates and scores its share of the prompts; under ZeRO-3 on a plain copy of the
   policy (and critic) filled from the gathered shards for the rollout phase (:meth:`DeepSpeedStrategy.inference`),
   because generation lengths differ per rank and ZeRO-3's layer-by-layer gathers are collective. Reference
-  and reward models stay whole on every rank (they are not trained).
+  and reward models stay whole on every rank (they are not trained);
+- loading: under ZeRO-3 a worker loads each model it trains inside :func:`partitioned_loading`, which builds it
+  partitioned and fills the shards tensor by tensor (no rank holds the full weights at any point).
 
 DeepSpeed configs (``infra/deepspeed/*.json``) may say ``"auto"`` where our config knows the value (see
 :mod:`rlhf_core.distributed.deepspeed_config`); the optimizer and its schedule always come from our config.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import math
 import os
 import shutil
@@ -36,8 +39,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoConfig, AutoModel
+from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
 from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_config
 from rlhf_core.distributed.extension_locks import clear_stale_locks
@@ -111,11 +117,49 @@ class DeepSpeedFactory:
         return self.built[-1]
 
 
+@contextlib.contextmanager
+def partitioned_loading(config: dict[str, Any], folder: str | os.PathLike[str],
+                        dtype: torch.dtype) -> Iterator[bool]:
+    """A block in which a model that will train under ``config`` is loaded (``from_pretrained`` of ``folder``);
+    yields whether it comes out partitioned.
+
+    ZeRO-3: transformers' DeepSpeed integration builds the model under ``deepspeed.zero.Init`` and loads the
+    checkpoint one tensor at a time into the shards, so no rank ever holds the full weights (the engine then takes
+    the model as it is). The config is resolved for this model as its engine will be (a weightless copy on the
+    meta device stands in for it). ZeRO-2: nothing changes (each rank loads the whole model; the engine shards
+    the optimizer). Only the trained models belong in the block: a frozen model loaded inside would be partitioned
+    too, and it has no engine to gather its weights.
+    """
+    if config["zero_optimization"]["stage"] != 3:
+        yield False
+        return
+    if importlib.util.find_spec("accelerate") is None:
+        raise ImportError("ZeRO-3 workers load their trained models partitioned through transformers' DeepSpeed "
+                          "integration, which needs accelerate: pip install accelerate (or use a ZeRO-2 config)")
+    with torch.device("meta"):
+        probe = AutoModel.from_config(AutoConfig.from_pretrained(str(folder))).to(dtype)
+    resolved = resolve_config(config, probe, micro_batch_size=1, max_grad_norm=1.0, world_size=dist.get_world_size())
+    hf_config = HfDeepSpeedConfig(resolved)  # transformers holds it by a weak reference: alive for the block only
+    try:
+        yield True
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 parameter whose full weights are not held here now (only this rank's shard)."""
+    return hasattr(param, "ds_id") and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
 def _empty_copy(module: nn.Module) -> nn.Module:
-    """A frozen deep copy of ``module`` whose parameters hold no memory (filled for each rollout phase)."""
-    shadow = copy.deepcopy(module).requires_grad_(False)
-    _release(shadow)
-    return shadow
+    """A frozen copy of ``module``'s structure whose parameters hold no memory (filled for each rollout phase).
+
+    The parameters are never copied (the memo hands the copy empty ones), so this works on a module partitioned at
+    construction (:func:`partitioned_loading`) and costs no transient full copy."""
+    memo = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.data.device), requires_grad=False)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo).requires_grad_(False)
 
 
 def _release(module: nn.Module) -> None:
@@ -230,8 +274,9 @@ class DeepSpeedStrategy:
         return torch.Generator(device=device).manual_seed(seed + self.rank)
 
     def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
-                        generator: torch.Generator, state: dict[str, Any]) -> Path:
-        """Weights (whole, safetensors, by rank 0) + each engine's ZeRO shards (every rank) + run state.
+                        generator: torch.Generator, state: dict[str, Any], keep: int = 2) -> Path:
+        """Weights (whole, safetensors, by rank 0) + each engine's ZeRO shards (every rank) + run state; the newest
+        ``keep`` checkpoints under ``root`` stay.
 
         ``root`` must be on storage every rank sees (one machine, or a shared file system across nodes).
         """
@@ -249,7 +294,7 @@ class DeepSpeedStrategy:
         dist.barrier()
         if self.rank == 0:
             write_run_state(tmp, step, generator, state)
-            publish(root, tmp, final.name, keep=2)
+            publish(root, tmp, final.name, keep)
         dist.barrier()
         return final
 

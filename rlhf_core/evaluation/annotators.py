@@ -23,16 +23,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.data.split import pair_id
 from rlhf_core.models.families import score_prefix
-from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.scoring import decode_rollout
 from rlhf_core.models.text import (
     encode_pair,
     encode_prompt,
     keep_tail,
     pad_id,
-    right_pad,
 )
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.training.reward_training import PreferencePair, score_pairs
 from rlhf_core.training.rollout import generate_in_batches
 
 
@@ -86,32 +84,27 @@ class RewardModelJudge:
     """An :class:`Annotator` that prefers the reply its reward model scores higher (ties go to ``reply_a``).
 
     Each side is scored as ``prompt + reply + eos`` behind the model's prefix (an encoder's ``[CLS]``): the reward
-    model's training layout, cut to its last ``max_length`` tokens.
+    model's training layout, cut to its last ``max_length`` tokens. Both sides of ``batch_size`` pairs (at most
+    ``max_tokens`` tokens, when set) go in one forward (``reward_training.score_pairs``).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024,
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 32, max_tokens: int | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
+        self.max_tokens = max_tokens
         self.prefix = score_prefix(model, tokenizer)
 
     @torch.no_grad()
     def scores(self, pairs: Sequence[ReplyPair]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores of every ``reply_a`` and every ``reply_b``, in pair order. -> (N,), (N,)."""
-        device, pad = next(self.model.parameters()).device, pad_id(self.tokenizer)
-        a_scores, b_scores = [], []
-        for start in range(0, len(pairs), self.batch_size):
-            chunk = pairs[start : start + self.batch_size]
-            rows = [self._encode(p.prompt, p.reply_a) for p in chunk] + [self._encode(p.prompt, p.reply_b) for p in chunk]
-            ids, mask = right_pad(rows, pad)  # (2B, T)
-            scores = sequence_scores(self.model, ids.to(device), mask.to(device)).float().cpu()  # (2B,)
-            a_scores.append(scores[: len(chunk)])
-            b_scores.append(scores[len(chunk) :])
-        if not a_scores:
-            return torch.zeros(0), torch.zeros(0)
-        return torch.cat(a_scores), torch.cat(b_scores)
+        """Scores of every ``reply_a`` and every ``reply_b``, in pair order. -> (N,), (N,) on the CPU."""
+        rows_a = [self._encode(p.prompt, p.reply_a) for p in pairs]
+        rows_b = [self._encode(p.prompt, p.reply_b) for p in pairs]
+        a_scores, b_scores = score_pairs(self.model, rows_a, rows_b, pad_id(self.tokenizer), self.batch_size,
+                                         self.max_tokens)
+        return a_scores.cpu(), b_scores.cpu()
 
     def label(self, pairs: Sequence[ReplyPair]) -> list[bool]:
         """True where ``reply_a`` scores at least as high as ``reply_b``."""

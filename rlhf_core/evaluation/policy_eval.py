@@ -25,6 +25,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.metrics import (distinct_n, mean_repetition_rate, self_similarity, sequence_kl,
                                           sequence_kl_k3, spearman, win_rate)
+from rlhf_core.models.budget import row_chunks
+from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import policy_forward
 from rlhf_core.models.scoring import Scorer, decode_rollout
 from rlhf_core.models.text import pad_id
@@ -94,13 +96,19 @@ def response_logprobs(model: PreTrainedModel, rollout: Rollout) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollout_kl(policy: PreTrainedModel, reference: PreTrainedModel,
-               rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence (k1, k3) KL(policy || reference) on the policy's ``rollout``. -> (B,), (B,)."""
-    logprobs = response_logprobs(policy, rollout)  # (B, Tr)
-    ref_logprobs = response_logprobs(reference, rollout)  # (B, Tr)
-    return (sequence_kl(logprobs, ref_logprobs, rollout.response_mask),
-            sequence_kl_k3(logprobs, ref_logprobs, rollout.response_mask))
+def rollout_kl(policy: PreTrainedModel, reference: PreTrainedModel, rollout: Rollout,
+               max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence (k1, k3) KL(policy || reference) on the policy's ``rollout``, at most ``max_tokens`` tokens per
+    forward (``budget.row_chunks``; None = the whole batch at once). -> (B,), (B,)."""
+    rows = rollout.query_ids.shape[0]
+    k1, k3 = [], []
+    for chunk in row_chunks(rollout.attention_mask, rows, max_tokens, supports_packing(policy)):
+        part = rollout.select(slice(chunk.start, chunk.stop))
+        logprobs = response_logprobs(policy, part)  # (b, Tr)
+        ref_logprobs = response_logprobs(reference, part)  # (b, Tr)
+        k1.append(sequence_kl(logprobs, ref_logprobs, part.response_mask))
+        k3.append(sequence_kl_k3(logprobs, ref_logprobs, part.response_mask))
+    return torch.cat(k1), torch.cat(k3)
 
 
 @dataclass
@@ -138,10 +146,11 @@ def sample_and_judge(
     generation: GenerationConfig,
     scorers: Mapping[str, Scorer],
     seed: int,
+    max_tokens: int | None = None,
 ) -> tuple[ReplySet, ReplySet]:
     """Replies of the policy and of the reference to every prompt, scored by every judge; KL on the policy's.
 
-    Prompts go ``generation.batch_size`` at a time. Each model samples with its own ``torch.Generator``
+    Prompts go ``generation.batch_size`` at a time; the KL forwards take at most ``max_tokens`` tokens each. Each model samples with its own ``torch.Generator``
     seeded with ``seed``, so the reference's replies are the same in every iteration, and a policy equal to
     the reference draws exactly the reference's replies.
     """
@@ -155,7 +164,8 @@ def sample_and_judge(
     )
     collected = {"policy": _Collected(), "reference": _Collected()}
     for policy_rollout, reference_rollout in zip(policy_chunks, reference_chunks, strict=True):
-        collected["policy"].add(policy_rollout, tokenizer, scorers, rollout_kl(policy, reference, policy_rollout))
+        collected["policy"].add(policy_rollout, tokenizer, scorers,
+                                  rollout_kl(policy, reference, policy_rollout, max_tokens))
         collected["reference"].add(reference_rollout, tokenizer, scorers, None)
     return collected["policy"].freeze(), collected["reference"].freeze()
 

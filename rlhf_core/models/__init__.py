@@ -7,6 +7,7 @@
 - ``lora``: LoRA adapters sharing one copy of the frozen base weights (the only module that imports peft).
 - ``packing``: padding-free forwards over the rollout layout.
 - ``memory``: bf16 autocast and gradient checkpointing.
+- ``offload``: frozen networks held in host memory while trained ones train (``ppo.offload_frozen``).
 - ``tokenizer``: a small byte-level BPE tokenizer trained on the task's text.
 - ``text``: (prompt, response) text -> token ids, the same way for the policy, the reward model and SFT.
 - ``scoring``: reward sources (reward model, rule functions, weighted sums).

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.models.budget import packs_scores, row_chunks, token_chunks
 from rlhf_core.models.families import max_positions, score_prefix
 from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.text import keep_tail, pad_id, right_pad, same_vocabulary
@@ -72,7 +73,8 @@ class RewardModelScorer:
     A decoder with the policy's tokenizer takes the rollout's ids as they are. With a different tokenizer the text is
     decoded and re-tokenized (eos appended only for responses that stopped); an encoder's rows are laid out right
     padded behind its ``[CLS]`` (``families.score_prefix``), from the same ids when it shares the policy's
-    vocabulary. Rows longer than ``max_length`` (or the model's positions) keep their end.
+    vocabulary. Rows longer than ``max_length`` (or the model's positions) keep their end. A forward scores at most
+    ``batch_size`` rows and, when ``max_tokens`` is set, at most that many tokens (``budget.token_chunks``).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class RewardModelScorer:
         rm_tokenizer: PreTrainedTokenizerBase | None = None,
         max_length: int = 1024,
         batch_size: int = 32,
+        max_tokens: int | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.policy_tokenizer = policy_tokenizer
@@ -91,6 +94,8 @@ class RewardModelScorer:
         positions = max_positions(model)
         self.max_length = max_length if positions is None else min(max_length, positions)
         self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.packed = packs_scores(model)
         self._identity: str | None = None
 
     def identity(self) -> str:
@@ -101,28 +106,29 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, rollout: Rollout) -> torch.Tensor:
+        if not (self.retokenize or self.prefix):  # the rollout's own ids
+            chunks = row_chunks(rollout.attention_mask, self.batch_size, self.max_tokens, self.packed)
+            return torch.cat([self._scores(rollout.select(slice(c.start, c.stop))) for c in chunks])
+        rows = self._retokenized(rollout) if self.retokenize else self._laid_out(rollout)
+        rows = [keep_tail(row, self.max_length, self.prefix)[0] for row in rows]
+        device, pad = rollout.query_ids.device, pad_id(self.rm_tokenizer)
         scores = []
-        for start in range(0, rollout.query_ids.shape[0], self.batch_size):
-            chunk = rollout.select(slice(start, start + self.batch_size))
-            if self.retokenize:
-                ids, mask = self._retokenized(chunk)
-            elif self.prefix:
-                ids, mask = self._laid_out(chunk)
-            else:
-                ids, mask = chunk.input_ids, chunk.attention_mask
-            scores.append(sequence_scores(self.model, ids, mask))
+        for c in token_chunks([len(row) for row in rows], self.batch_size, self.max_tokens, self.packed):
+            ids, mask = right_pad(rows[c.start:c.stop], pad)
+            scores.append(sequence_scores(self.model, ids.to(device), mask.to(device)))
         return torch.cat(scores)
 
-    def _rows(self, rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = right_pad([keep_tail(row, self.max_length, self.prefix)[0] for row in rows], pad_id(self.rm_tokenizer))
-        return ids.to(device), mask.to(device)
+    def _scores(self, chunk: Rollout) -> torch.Tensor:
+        return sequence_scores(self.model, chunk.input_ids, chunk.attention_mask)
 
-    def _laid_out(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The real ids of each row (prompt, then response with its stop token), behind the prefix."""
+    @staticmethod
+    def _laid_out(rollout: Rollout) -> list[list[int]]:
+        """The real ids of each row (prompt, then response with its stop token), to go behind the prefix."""
         ids, mask = rollout.input_ids, rollout.attention_mask.bool()
-        return self._rows([ids[row][mask[row]].tolist() for row in range(ids.shape[0])], ids.device)
+        return [ids[row][mask[row]].tolist() for row in range(ids.shape[0])]
 
-    def _retokenized(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _retokenized(self, rollout: Rollout) -> list[list[int]]:
+        """Each row's text in the reward model's tokens (eos appended where the response stopped)."""
         prompts, responses = decode_rollout(rollout, self.policy_tokenizer)
         tok = self.rm_tokenizer
         rows = []
@@ -131,7 +137,7 @@ class RewardModelScorer:
             if stopped and tok.eos_token_id is not None:
                 ids.append(tok.eos_token_id)
             rows.append(ids)
-        return self._rows(rows, rollout.query_ids.device)
+        return rows
 
 
 class TextRewardFunction:

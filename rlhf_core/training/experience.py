@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.models.budget import row_chunks
 from rlhf_core.models.memory import autocast
+from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import Critic, ValueHead, critic_forward, policy_forward
 from rlhf_core.models.scoring import Scorer
 from rlhf_core.ppo.advantages import baseline_scores, gae, returns_to_go, sequence_advantages, whiten_advantages
@@ -80,13 +82,15 @@ class Experience:
 
 @torch.no_grad()
 def old_policy_outputs(
-    models: PPOModels, rollout: Rollout, temperature: float, batch_size: int
+    models: PPOModels, rollout: Rollout, temperature: float, batch_size: int, max_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Old log-probs, reference log-probs and old values, in chunks. -> three (B, Tr) tensors."""
+    """Old log-probs, reference log-probs and old values, in chunks of at most ``batch_size`` rollouts and
+    ``max_tokens`` tokens (``budget.row_chunks``). -> three (B, Tr) tensors."""
     query_len = rollout.query_ids.shape[1]
     logprobs, ref_logprobs, values = [], [], []
-    for start in range(0, rollout.query_ids.shape[0], batch_size):
-        chunk = rollout.select(slice(start, start + batch_size))
+    packed = supports_packing(models.policy)
+    for rows in row_chunks(rollout.attention_mask, batch_size, max_tokens, packed):
+        chunk = rollout.select(slice(rows.start, rows.stop))
         ids, mask = chunk.input_ids, chunk.attention_mask
         out = policy_forward(models.policy, ids, mask, query_len, temperature, models.value_head)
         logprobs.append(out.logprobs)
@@ -125,7 +129,7 @@ def collect_experience(
     generated = time.monotonic()
     with autocast(config.autocast, device):
         old_logprobs, ref_logprobs, old_values = old_policy_outputs(
-            models, rollout, config.generation.temperature, config.micro_batch_size
+            models, rollout, config.generation.temperature, config.micro_batch_size, config.max_tokens_per_forward
         )
     raw_scores = models.scorer(rollout).to(device).float()
     if gather is not None:

@@ -20,7 +20,7 @@ from rlhf_core.training.checkpoint import load_weights, resume_checkpoint, train
 from rlhf_core.training.checkpoint_integrity import CheckpointError, verify_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.guards import NonFiniteError, require_finite_metrics, require_finite_weights
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
+from rlhf_core.training.ppo_step import PPOState, frozen_offload, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.training.sampler import PromptSampler
 from rlhf_core.training.strategy import LocalStrategy, StrategyFactory
 
@@ -83,6 +83,8 @@ def train_ppo(
     several processes, each calling ``train_ppo`` with the same arguments); None = AdamW in this process.
     """
     models, strategy = prepare_training(models, config, make_strategy)
+    if config.offload_frozen:
+        log.info("ppo.offload_frozen: %s", frozen_offload(models, config).describe())
     # A LoRA reference refresh restarts the adapter's moments in the torch optimizer (one process only).
     optimizer = strategy.optimizer if isinstance(strategy, LocalStrategy) else None
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
@@ -120,7 +122,7 @@ def train_ppo(
         if checkpoint_dir is not None and (periodic or state.step == n_updates):
             last_saved = strategy.save_checkpoint(
                 checkpoint_dir, state.step, _modules(models, config), state.generator,
-                _snapshot(state, sampler, result, scorer_identity(models.scorer)),
+                _snapshot(state, sampler, result, scorer_identity(models.scorer)), config.keep_checkpoints,
             )
     return result
 

@@ -17,6 +17,7 @@ import torch
 from rlhf_core.config import PPOConfig
 from rlhf_core.models.lora import AdapterDisabled
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
+from rlhf_core.models.offload import OffloadPlan, offload_plan, parked, scorer_networks
 from rlhf_core.models.roles import critic_forward, policy_forward
 from rlhf_core.ppo.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
 from rlhf_core.ppo.aggregation import Normaliser, agg_loss
@@ -126,6 +127,9 @@ def ppo_step(
     ``strategy`` applies the gradients instead of ``optimizer`` / ``scheduler`` (see :func:`prepare_training`).
     Data-parallel, every rank passes the same prompts, generates and scores its contiguous share with its own
     sampling generator, and then holds the whole scored batch (advantages are whitened over all of it).
+    With ``config.offload_frozen`` the frozen networks of :func:`frozen_offload` wait in host memory while
+    :func:`ppo_update` trains (the time it takes to move them counts as training time) and are back on their
+    device for the reference refresh and the next rollout: every model ends the step where it started.
     """
     if len(prompts) != config.prompts_per_update:
         raise ValueError(f"ppo_step got {len(prompts)} prompts; it takes ppo.rollout_batch_size / "
@@ -145,14 +149,24 @@ def ppo_step(
             config, kl_coef, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
         )
     started = time.monotonic()
-    update_stats = ppo_update(models, optimizer, scheduler, experience, config, kl_coef, state.generator,
-                              strategy)
+    with parked(list(frozen_offload(models, config).moved.values())):  # ppo.offload_frozen
+        update_stats = ppo_update(models, optimizer, scheduler, experience, config, kl_coef, state.generator,
+                                  strategy)
     t_train = time.monotonic() - started
     state.kl_controller.update(rollout_stats.kl_mean, config.rollout_batch_size)
     state.step += 1
     if config.ref_refresh_every and state.step % config.ref_refresh_every == 0:
         refresh_reference(models, optimizer, state.step, strategy)
     return PPOStats(state.step, rollout_stats, update_stats, TimeStats(t_gen, t_score, t_train))
+
+
+def frozen_offload(models: PPOModels, config: PPOConfig) -> OffloadPlan:
+    """What ``ppo.offload_frozen`` holds in host memory while the policy and value model train: the reference and
+    the reward model(s) unless they own no weights or share some with a trained model (nothing when it is off)."""
+    if not config.offload_frozen:
+        return OffloadPlan({}, {})
+    frozen = {"reference": models.reference, **scorer_networks(models.scorer)}
+    return offload_plan(frozen, [models.policy, models.value_model])
 
 
 def refresh_reference(

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_wins
+from rlhf_core.models.budget import pair_chunks, pair_lengths, packs_scores, split_to, token_chunks
 from rlhf_core.models.lora import add_training_adapter, merge_adapter
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models.families import score_prefix
@@ -123,24 +124,31 @@ def _pair_scores(
 
 
 @torch.no_grad()
+def score_pairs(model: PreTrainedModel, chosen: Sequence[list[int]], rejected: Sequence[list[int]], pad: int,
+                batch_size: int = 32, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of every chosen and every rejected row, in pair order, both sides of a chunk of pairs
+    (``budget.pair_chunks``) in one forward. -> ((N,), (N,)) float32 on the model's device."""
+    scorer = SequenceScorer(model)
+    parts = [_pair_scores(scorer, list(chosen[c.start:c.stop]), list(rejected[c.start:c.stop]), pad)
+             for c in pair_chunks(model, chosen, rejected, batch_size, max_tokens)]
+    if not parts:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.cat([c for c, _ in parts]).float(), torch.cat([r for _, r in parts]).float()
+
+
+@torch.no_grad()
 def evaluate_reward_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, encoded: EncodedPairs, batch_size: int = 32
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, encoded: EncodedPairs, batch_size: int = 32,
+    max_tokens: int | None = None,
 ) -> RewardEval:
-    """Loss, accuracy, margin and score statistics on encoded pairs."""
+    """Loss, accuracy, margin and score statistics on encoded pairs, ``batch_size`` pairs (and at most
+    ``max_tokens`` tokens) per forward."""
     if not encoded.chosen:
         raise ValueError("evaluate_reward_model got no pairs; the held-out split is empty")
     was_training = model.training
     model.eval()
-    chosen_all, rejected_all, scorer = [], [], SequenceScorer(model)
-    for start in range(0, len(encoded.chosen), batch_size):
-        c, r = _pair_scores(
-            scorer, encoded.chosen[start : start + batch_size], encoded.rejected[start : start + batch_size],
-            pad_id(tokenizer),
-        )
-        chosen_all.append(c)
-        rejected_all.append(r)
+    chosen, rejected = score_pairs(model, encoded.chosen, encoded.rejected, pad_id(tokenizer), batch_size, max_tokens)
     model.train(was_training)
-    chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
     diff = chosen - rejected
     both = torch.cat([chosen, rejected])
     return RewardEval(
@@ -192,6 +200,7 @@ def train_reward_model(
     group = TrainableGroup(SequenceScorer(model), trainable, config.learning_rate)
     strategy = (make_strategy or local_strategy)([group], config.weight_decay, config.max_grad_norm)
     (scorer,) = strategy.modules
+    packed = packs_scores(model)
     result = RewardTrainingResult(n_truncated=train.n_truncated)
     order = list(range(len(train.chosen)))
     rng = random.Random(config.seed)
@@ -213,7 +222,7 @@ def train_reward_model(
         for start in range(0, len(order), config.batch_size):
             try:
                 metrics = _train_step(scorer, tokenizer, train, order[start : start + config.batch_size], strategy,
-                                      config)
+                                      config, packed)
             except NonFiniteError as error:
                 raise NonFiniteError(f"reward-model step {step + 1}: {error}; training stopped before applying it. "
                                      "Lower the learning rate") from None
@@ -272,20 +281,21 @@ def _train_step(
     batch: list[int],
     strategy: Strategy,
     config: RewardTrainingConfig,
+    packed: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on this rank's share of ``batch``; returns the loss and accuracy over all of it.
 
-    The share goes through the model ``config.micro_batch_size`` pairs at a time; each micro-batch backpropagates its
-    part of the share's mean loss (its pairs' summed loss over the share's size), so the accumulated gradient is the
-    whole share's, whatever the micro-batch size.
+    The share goes through the model in micro-batches (:func:`_micro_batches`: at most ``config.micro_batch_size``
+    pairs and ``config.max_tokens_per_forward`` tokens, so of unequal sizes); each backpropagates its part of the
+    share's mean loss (its pairs' summed loss, margin and centring terms included, over the share's size), so the
+    accumulated gradient is the whole share's, whatever the micro-batches.
     """
     mine, weight = weighted_shard(batch, strategy.rank, strategy.world_size)
-    micro = config.micro_batch_size or len(mine)
     device = next(scorer.parameters()).device
     strategy.zero_grad()
     loss_sum, correct = 0.0, 0.0
-    for start in range(0, len(mine), micro):
-        part = mine[start : start + micro]
+    for part, counted in _micro_batches(data, batch, strategy, config, packed):
+        share = len(part) / len(mine) if counted else 0.0
         with autocast(config.autocast, device):
             chosen, rejected = _pair_scores(
                 scorer, [data.chosen[i] for i in part], [data.rejected[i] for i in part], pad_id(tokenizer)
@@ -295,14 +305,34 @@ def _train_step(
         if config.center_rewards_coef is not None:
             loss = loss + config.center_rewards_coef * ((chosen + rejected) ** 2).mean()
         refuse_non_finite(strategy, "reward-model loss", float(loss.detach()))
-        strategy.backward(loss * (len(part) / len(mine)) * weight)  # its part of the share's mean
-        loss_sum += float(loss.detach()) * len(part)
-        correct += float(pairwise_wins(chosen, rejected).sum()) if weight else 0.0
+        strategy.backward(loss * share * weight)  # its part of the share's mean
+        if counted:
+            loss_sum += float(loss.detach()) * len(part)
+            correct += float(pairwise_wins(chosen, rejected).sum()) if weight else 0.0
     (grad_norm,) = strategy.step()
     n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing
     sums = strategy.all_sum({"loss": loss_sum if n else 0.0, "correct": correct, "n": n})
     return {"rm/train/loss": sums["loss"] / sums["n"], "rm/train/accuracy": sums["correct"] / sums["n"],
             "rm/train/grad_norm": grad_norm}
+
+
+def _micro_batches(data: EncodedPairs, batch: list[int], strategy: Strategy, config: RewardTrainingConfig,
+                   packed: bool) -> list[tuple[list[int], bool]]:
+    """This rank's share of ``batch`` as micro-batches ``(pair indices, counted)``, consecutive and in order.
+
+    Every rank runs as many as the rank that needs most (ZeRO-3's forwards are collective): a share splits further
+    (``budget.split_to``), and one too small to split that far repeats its first pair, not counted (weight 0).
+    """
+    def plan(share: Sequence[int]) -> list[range]:
+        lengths = pair_lengths([data.chosen[i] for i in share], [data.rejected[i] for i in share], packed)
+        return token_chunks(lengths, config.micro_batch_size or len(share), config.max_tokens_per_forward, packed)
+
+    world = strategy.world_size
+    mine = weighted_shard(batch, strategy.rank, world)[0]
+    chunks = plan(mine)
+    count = max(len(plan(weighted_shard(batch, r, world)[0])) for r in range(world)) if world > 1 else len(chunks)
+    parts = [([mine[i] for i in chunk], True) for chunk in split_to(chunks, count)]
+    return parts + [([mine[0]], False)] * (count - len(parts))
 
 
 def _record_eval(
@@ -311,7 +341,8 @@ def _record_eval(
 ) -> dict[str, float]:
     """Every rank evaluates all held-out pairs: the same forwards everywhere (ZeRO-3 gathers are collective)."""
     with autocast(config.autocast, next(model.parameters()).device):
-        evaluation = evaluate_reward_model(model, tokenizer, held_out, config.micro_batch_size or 32)
+        evaluation = evaluate_reward_model(model, tokenizer, held_out, config.micro_batch_size or 32,
+                                           config.max_tokens_per_forward)
     result.evals.append((step, evaluation))
     log.info("reward model step %d: held-out accuracy %.3f, loss %.4f", step, evaluation.accuracy, evaluation.loss)
     return {f"rm/eval/{k}": float(v) for k, v in asdict(evaluation).items()}

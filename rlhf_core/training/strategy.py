@@ -93,8 +93,9 @@ class Strategy(Protocol):
         """The generator this rank samples rollouts with; ``generator`` stays identical on every rank."""
 
     def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
-                        generator: torch.Generator, state: dict[str, Any]) -> Path:
-        """Write ``<root>/step_<step>`` (weights, optimizer, schedule, RNGs, ``state``) atomically."""
+                        generator: torch.Generator, state: dict[str, Any], keep: int = 2) -> Path:
+        """Write ``<root>/step_<step>`` (weights, optimizer, schedule, RNGs, ``state``) atomically; keep the newest
+        ``keep`` checkpoints under ``root``."""
 
     def load_checkpoint(self, path: str | os.PathLike[str], modules: dict[str, nn.Module],
                         generator: torch.Generator) -> dict[str, Any]:
@@ -190,11 +191,11 @@ class LocalStrategy:
         return generator
 
     def save_checkpoint(self, root: str | os.PathLike[str], step: int, modules: dict[str, nn.Module],
-                        generator: torch.Generator, state: dict[str, Any]) -> Path:
+                        generator: torch.Generator, state: dict[str, Any], keep: int = 2) -> Path:
         """:func:`rlhf_core.training.checkpoint.save_checkpoint` with the scheduler state in ``state.json``."""
         if self.scheduler is not None:
             state = {**state, "scheduler": self.scheduler.state_dict()}
-        return save_checkpoint(root, step, modules, self.optimizer, generator, state)
+        return save_checkpoint(root, step, modules, self.optimizer, generator, state, keep)
 
     def load_checkpoint(self, path: str | os.PathLike[str], modules: dict[str, nn.Module],
                         generator: torch.Generator) -> dict[str, Any]:

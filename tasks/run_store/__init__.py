@@ -30,6 +30,7 @@ from tasks.run_store.keys import LocalPath, ModelSource, code_version, stage_key
 from tasks.run_store.layout import (CONFIG_FILE, FORMAT_VERSION, LOG_FILE, RUN_LOCK, SUMMARY_FILE, Layout,
                                    LayoutError)
 from tasks.run_store.locks import FileLock, Holder, LockBusy, holder_if_alive, now_iso
+from tasks.run_store.resume import ResumeStateError, prune_resume_states, resume_state
 from tasks.run_store.runs import RunRecord, RunStatus, StageEntry, new_run_id
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ RESERVE_BYTES = 1 << 20
 """Space the state folder holds back for run records on a full disk (they are a few KiB)."""
 
 __all__ = ["LATEST", "ActiveRun", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath", "ModelSource",
-           "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError", "code_version", "new_run_id",
+           "ResumeStateError", "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError", "code_version", "new_run_id",
            "stage_key"]
 
 
@@ -83,8 +84,8 @@ class RunStore:
 
         A move is settled (:meth:`settle_move`) once what holds absolute paths (MLflow's local store) was rebased.
         """
-        for folder in (self.layout.runs, self.layout.artifacts, self.layout.work, self.layout.mlartifacts,
-                       self.layout.prefect_home):
+        for folder in (self.layout.runs, self.layout.artifacts, self.layout.work, self.layout.resume,
+                       self.layout.mlartifacts, self.layout.prefect_home):
             folder.mkdir(parents=True, exist_ok=True)
         state = self.layout.state_file
         try:
@@ -130,6 +131,16 @@ class RunStore:
             yield claim
         finally:
             claim.release()
+
+    def resume_state(self, artifact: Artifact, relative: str, remedy: str) -> Path:
+        """The folder ``relative`` of the resume state published with ``artifact`` (:mod:`.resume`);
+        ResumeStateError in one line, naming what pruned it and ``remedy``, when it is gone."""
+        return resume_state(self.layout, artifact, relative, remedy)
+
+    def prune_resume_states(self, newest: Artifact, keep: int, link: str, setting: str) -> list[str]:
+        """Keep the resume state of ``newest`` and the ``keep - 1`` artifacts before it in the chain its input
+        ``link`` forms; delete the older ones (``setting`` names the retention setting in the refusal)."""
+        return prune_resume_states(self.layout, newest, keep, link, setting)
 
     def scratch_dir(self, name: str, key: str) -> Path:
         """A work folder of its own (``work/<name>/<key>``, created) that no publication clears."""

@@ -4,6 +4,10 @@ A stage computes into a staging folder of its key's work folder while it holds t
 key, across runs and processes), then :meth:`Claim.publish` writes the record with a checksum of every file and
 renames the folder to ``artifacts/<stage>/<key>``: readers see nothing or the whole artifact, and a published
 artifact never changes. The record is JSON; nothing here ever unpickles anything.
+
+A stage may also leave resume state (what a later stage continues from, e.g. a PPO iteration's optimizer state) in
+:attr:`Claim.resume_staging`; it is published beside the artifact (``resume/<stage>/<key>``), outside its checksums,
+so that it can be pruned (:meth:`tasks.run_store.RunStore.prune_resume_states`) while the artifact stays whole.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.run_store.keys import canonical, code_version, sha256_file
-from tasks.run_store.layout import CLAIM_LOCK, RECORD_FILE, STAGING, Layout
+from tasks.run_store.layout import CLAIM_LOCK, RECORD_FILE, RESUME_STAGING, STAGING, Layout
 from tasks.run_store.locks import FileLock, LockBusy, now_iso
 
 log = logging.getLogger(__name__)
@@ -139,6 +143,11 @@ class Claim:
         """Where the stage writes the artifact's files (empty at the start of each attempt)."""
         return self.work / STAGING
 
+    @property
+    def resume_staging(self) -> Path:
+        """Where the stage writes its resume state, if it has any (published beside the artifact, not in it)."""
+        return self.work / RESUME_STAGING
+
     def acquire(self) -> Claim:
         try:
             self.lock.acquire()
@@ -147,6 +156,7 @@ class Claim:
             log.info("%s/%s is being computed by %s; waiting for it", self.stage, self.key, who)
             self.lock.acquire(blocking=True)
         shutil.rmtree(self.staging, ignore_errors=True)  # a half-written artifact of a killed attempt
+        shutil.rmtree(self.resume_staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
         return self
 
@@ -161,6 +171,7 @@ class Claim:
                                 files=manifest(self.staging))
         (self.staging / RECORD_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True) + "\n",
                                                 encoding="utf-8")
+        self._publish_resume_state()  # first: a published artifact always had its resume state published
         target = self.layout.artifact_dir(self.stage, self.key)
         target.parent.mkdir(parents=True, exist_ok=True)
         self.staging.rename(target)  # atomic; fails if the key was published meanwhile (it cannot: we hold it)
@@ -168,3 +179,12 @@ class Claim:
             if child.name != CLAIM_LOCK:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
         return Artifact(self.stage, self.key, target, record)
+
+    def _publish_resume_state(self) -> None:
+        if not self.resume_staging.is_dir():
+            return
+        target = self.layout.resume_dir(self.stage, self.key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)  # left by an attempt killed between these two renames
+        self.layout.pruned_marker(self.stage, self.key).unlink(missing_ok=True)
+        self.resume_staging.rename(target)

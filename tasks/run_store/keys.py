@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
+from rlhf_core.ranges import is_retention
+
 KEY_LENGTH = 20
 """Hex digits of a key (80 bits)."""
 CONTENT_HASH_LIMIT = 256 * 1024 * 1024
@@ -122,6 +124,13 @@ def _field_marks(cls: type) -> dict[str, _PathMark]:
     return {f.name: mark for f in dataclasses.fields(cls) if (mark := _marks(hints[f.name])) is not None}
 
 
+@lru_cache(maxsize=None)
+def _retention_fields(cls: type) -> frozenset[str]:
+    """Fields that only say how much is kept on disk (``rlhf_core.ranges.Retention``): never part of a key."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return frozenset(f.name for f in dataclasses.fields(cls) if is_retention(hints[f.name]))
+
+
 def path_settings(config: Any, prefix: str = "") -> list[tuple[str, Any, bool]]:
     """(dotted key, value, names a model) of every ``LocalPath`` / ``ModelSource`` setting that is set."""
     found: list[tuple[str, Any, bool]] = []
@@ -162,9 +171,9 @@ def canonical(value: Any, resolve_model: ModelResolver | None = None, mark: _Pat
         identity = getattr(value, "identity", None)
         if callable(identity):  # an artifact handle (or anything that names itself)
             return identity()
-        marks = _field_marks(type(value))
+        marks, kept = _field_marks(type(value)), _retention_fields(type(value))
         return {f.name: canonical(getattr(value, f.name), resolve_model, marks.get(f.name))
-                for f in dataclasses.fields(value)}
+                for f in dataclasses.fields(value) if f.name not in kept}
     if isinstance(value, Mapping):
         return {str(k): canonical(v, resolve_model, mark) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):

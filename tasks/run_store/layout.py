@@ -3,8 +3,13 @@ the run store for a run's file or an artifact's folder.
 
     <root>/
       artifacts/<stage>/<key>/      published stage outputs: record.json + files; immutable once published
+      resume/<stage>/<key>/         resume state published with an artifact (a PPO iteration's last checkpoint:
+                                    optimizer, RNGs) for the stage that continues it; not part of the artifact,
+                                    so it can be pruned (then ``<key>.pruned.json`` says by what) without
+                                    breaking the artifact's checksums
       work/<stage>/<key>/           unfinished work of one key: claim.lock, out/ (the artifact being written),
-                                    checkpoints a killed stage resumes from
+                                    checkpoints a killed stage resumes from, resume/ (the resume state being
+                                    written)
       runs/<run_id>/                one run: run.json (the record), config.yaml, summary.json, run.log, lock
       cache/models/                 downloads of models:/ URIs given as inputs
       mlflow.db, mlartifacts/       MLflow's SQLite store and artifact root (when no tracking server is set)
@@ -29,6 +34,8 @@ RUN_LOCK = "lock"
 RECORD_FILE = "record.json"
 CLAIM_LOCK = "claim.lock"
 STAGING = "out"
+RESUME_STAGING = "resume"
+PRUNED_SUFFIX = ".pruned.json"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -101,6 +108,17 @@ class Layout:
 
     def work_dir(self, stage: str, key: str) -> Path:
         return self.work / checked_name(stage, "stage name") / checked_name(key, "artifact key")
+
+    @property
+    def resume(self) -> Path:
+        return self.root / "resume"
+
+    def resume_dir(self, stage: str, key: str) -> Path:
+        return self.resume / checked_name(stage, "stage name") / checked_name(key, "artifact key")
+
+    def pruned_marker(self, stage: str, key: str) -> Path:
+        """Left where a resume state was pruned: what pruned it, for the refusal of a later consumer."""
+        return self.resume_dir(stage, key).with_name(key + PRUNED_SUFFIX)
 
     # --- runs
     def run_dir(self, run_id: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -57,14 +58,33 @@ SIGNATURES = {
 }
 
 
+REFERENCE_FILE = "rlhf_model.json"
+"""What a version registered by reference holds instead of weights: {'artifact': 'stage/key', 'path': folder}."""
+
+
+@dataclass(frozen=True)
+class ArtifactReference:
+    """A model folder inside a run-store artifact: what a version registered by reference points at."""
+
+    artifact: str
+    """The artifact's identity, ``stage/key``."""
+    path: str
+    """The model folder, relative to the artifact."""
+
+
 def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str, lineage: Mapping[str, str],
-                   aliases: Sequence[str] = ("candidate",), description: str = "") -> ModelRef:
+                   aliases: Sequence[str] = ("candidate",), description: str = "",
+                   reference: ArtifactReference | None = None) -> ModelRef:
     """Register ``folder`` as a version of ``name`` for ``mlflow_run_id``, tagged with ``lineage``.
 
     Idempotent: a version carrying the same ``rlhf.run_id``, ``rlhf.artifact_key`` and ``rlhf.role`` tags is
     returned instead of registering another (a retried or resumed stage). A version of the same artifact that
     another run registered lends its files (no second upload of the weights). ``aliases`` move to the version.
     The uploaded files get an ``MLmodel`` with the role's signature (:data:`SIGNATURES`), shown by the registry.
+    With ``reference`` (``tracking.model_storage=reference``) the weights are not uploaded: the version's files are
+    the ``MLmodel`` and :data:`REFERENCE_FILE` (a few hundred bytes), and :func:`resolve_model_uri` loads the
+    artifact's folder from the state folder. (MLflow servers refuse a local path as a version's source, so the
+    pointer lives in the run's artifacts like any upload.)
     """
     client = MlflowClient()
     try:
@@ -84,20 +104,25 @@ def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str
             return int(client.create_model_version(name, source=source, run_id=mlflow_run_id, tags=dict(lineage),
                                                    description=description or None).version)
 
+        def upload() -> str:
+            return _upload(client, Path(folder), name, mlflow_run_id, lineage.get("rlhf.role"), reference)
+
         try:
-            version = create(same[0].source if same else _upload(client, Path(folder), name, mlflow_run_id,
-                                                                 lineage.get("rlhf.role")))
+            version = create(same[0].source if same else upload())
         except MlflowException as err:
             # A tracking server may refuse a source that lies in another run's artifacts: upload this copy then.
             if not same or err.error_code != "INVALID_PARAMETER_VALUE":
                 raise
-            version = create(_upload(client, Path(folder), name, mlflow_run_id, lineage.get("rlhf.role")))
+            version = create(upload())
     for alias in aliases:
         client.set_registered_model_alias(name, alias, str(version))
     return ModelRef(name, version)
 
 
-def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: str | None) -> str:
+def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: str | None,
+            reference: ArtifactReference | None = None) -> str:
+    """Log the model's files (or, with ``reference``, only a pointer to them) under ``models/<name>[-n]`` of the
+    run; returns that folder's artifact URI (the version's source)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot register {folder}: not a folder (save the model with save_pretrained first)")
     base = artifact_path = f"models/{slug(name)}"
@@ -105,9 +130,14 @@ def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: st
     while client.list_artifacts(run_id, artifact_path):  # never overwrite an earlier version's files
         n += 1
         artifact_path = f"{base}-{n}"
-    client.log_artifacts(run_id, str(folder), artifact_path)
-    if role in SIGNATURES:
-        with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch:
+        if reference is None:
+            client.log_artifacts(run_id, str(folder), artifact_path)
+        else:
+            pointer = Path(scratch) / REFERENCE_FILE
+            pointer.write_text(json.dumps({"artifact": reference.artifact, "path": reference.path}) + "\n")
+            client.log_artifact(run_id, str(pointer), artifact_path)
+        if role in SIGNATURES:
             _signature_file(role, Path(scratch) / "MLmodel")
             client.log_artifact(run_id, str(Path(scratch) / "MLmodel"), artifact_path)
     return f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
@@ -177,7 +207,7 @@ def resolve_model_uri(uri_or_path: str) -> str:
     digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:8]
     target = configured_store().layout.model_cache / slug(ref.name) / f"v{ref.version}-{digest}"
     if target.exists():
-        return str(target)
+        return _referenced(target, uri_or_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".download-", dir=target.parent)
     try:
@@ -189,4 +219,20 @@ def resolve_model_uri(uri_or_path: str) -> str:
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return str(target)
+    return _referenced(target, uri_or_path)
+
+
+def _referenced(folder: Path, uri: str) -> str:
+    """``folder`` (a downloaded version), or the state folder's artifact folder its :data:`REFERENCE_FILE` names."""
+    pointer = folder / REFERENCE_FILE
+    if not pointer.is_file():
+        return str(folder)
+    target = json.loads(pointer.read_text(encoding="utf-8"))
+    stage, _, key = target["artifact"].partition("/")
+    store = configured_store()
+    artifact = store.artifact(stage, key)
+    if artifact is None:
+        raise FileNotFoundError(f"{uri} was registered by reference (tracking.model_storage=reference) to artifact "
+                                f"{target['artifact']}, which state folder {store.root} does not hold: run with the "
+                                "state dir that produced it (shared storage), or register with model_storage=upload")
+    return str(artifact.path(target["path"]))

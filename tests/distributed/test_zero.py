@@ -136,3 +136,17 @@ def test_resumed_zero3_run_ends_where_the_uninterrupted_one_does(runs, tmp_path_
     for straight, resumed in zip(resume["straight"], resume["resumed"], strict=True):
         untimed = {k: v for k, v in straight.items() if not k.startswith("time/")}
         assert {k: resumed[k] for k in untimed} == pytest.approx(untimed, rel=1e-6, abs=1e-9)
+
+
+def test_zero3_trained_models_are_partitioned_as_they_load(runs):
+    """A worker loads the policy and the reward model it trains inside ``zero.partitioned_loading``: under ZeRO-3
+    each rank holds only shards right after ``from_pretrained`` (never the full weights), and training from there
+    matches one process (the cases above); under ZeRO-2 they load whole."""
+    _, distributed = runs
+    sharded = [distributed["zero3_offload/rm"]["partitioned"], *distributed["zero3_offload/partitioned"]]
+    assert len(sharded) == 3  # the reward model, the updated policy, the policy of the whole step
+    for held in sharded:
+        assert held["partitioned_elements"] > 0.9 * held["full"]
+        assert held["held"] < 0.1 * held["full"], held
+    whole = [distributed["zero2/rm"]["partitioned"], *distributed["zero2/partitioned"]]
+    assert len(whole) == 3 and all(h["held"] == h["full"] and h["partitioned_elements"] == 0 for h in whole)

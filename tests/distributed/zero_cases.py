@@ -20,7 +20,7 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig, LoRAConfig, PPOConfig, RewardTrainingConfig
 from rlhf_core.models.lora import lora_policy
-from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_reference
+from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, freeze, make_reference
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import Experience, PPOModels, collect_experience
 from rlhf_core.training.ppo_loop import train_ppo
@@ -62,10 +62,13 @@ RM_CONFIG = RewardTrainingConfig(epochs=1, batch_size=8, learning_rate=3e-3, max
 LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
 
 
-def train_rm(make_strategy: StrategyFactory | None, lora: bool = False) -> dict[str, Any]:
+def train_rm(make_strategy: StrategyFactory | None, lora: bool = False, folder: Path | None = None) -> dict[str, Any]:
     """21 pairs in batches of 8: the last batch (5 pairs) splits 3 / 2 over two processes. With ``lora`` an
-    adapter trains and is merged at the end, so the weights compared are plain ones."""
-    model = rm_model()
+    adapter trains and is merged at the end, so the weights compared are plain ones. ``folder``: the model is
+    loaded from ``folder/rm`` (saved by :func:`build_experience`) as the stage's workers load it, partitioned
+    under ZeRO-3; ``partitioned`` then says whether it came out of loading partitioned."""
+    model, partitioned = (rm_model(), None) if folder is None else load_partitioned(
+        make_strategy, lambda: GPT2ForSequenceClassification.from_pretrained(folder / "rm"), folder / "rm")
     grad_norms: list[float] = []
 
     def on_log(step: int, metrics: dict[str, float]) -> None:
@@ -76,7 +79,26 @@ def train_rm(make_strategy: StrategyFactory | None, lora: bool = False) -> dict[
                                 replace(RM_CONFIG, lora=LORA) if lora else RM_CONFIG,
                                 on_log=on_log, make_strategy=make_strategy)
     return {"loss": result.train_loss, "accuracy": result.train_accuracy, "eval_loss": result.final_eval.loss,
-            "grad_norm": grad_norms, "weights": _weights(model, make_strategy)}
+            "grad_norm": grad_norms, "weights": _weights(model, make_strategy), "partitioned": partitioned}
+
+
+def load_partitioned(make_strategy: Any, load: Any, folder: Path) -> tuple[Any, dict[str, int]]:
+    """``load()`` inside ``zero.partitioned_loading`` (the factory's config), and how much of the model this rank
+    holds right after it: ``held`` elements of ``full`` (ZeRO-3: its shards only; ``full`` counts ds_numel)."""
+    from rlhf_core.distributed.zero import partitioned_loading
+
+    with partitioned_loading(make_strategy.config, folder, torch.float32):
+        model = load()
+    params = list(model.parameters())
+    full = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    return model, {"held": sum(p.numel() for p in params), "full": full,
+                   "partitioned_elements": sum(int(p.ds_numel) for p in params if _is_partitioned(p))}
+
+
+def _is_partitioned(param: torch.Tensor) -> bool:
+    from rlhf_core.distributed.zero import is_partitioned
+
+    return is_partitioned(param)
 
 
 def rm_model() -> GPT2ForSequenceClassification:
@@ -104,12 +126,21 @@ DISTRIBUTED_PPO_CONFIG = replace(PPO_CONFIG, micro_batch_size=1)
 update must not change)."""
 
 
-def ppo_models(value_model: str) -> PPOModels:
+def ppo_models(value_model: str, make_strategy: Any = None, folder: Path | None = None) -> PPOModels:
     """Tiny policy, its frozen reference, a counting scorer and a value head or a critic; ``lora``: a LoRA
-    policy whose reference is the same weights with the adapter disabled, and a value head."""
-    torch.manual_seed(0)
-    policy = disable_dropout(GPT2LMHeadModel(gpt2_config(VOCAB)))
-    policy, reference = lora_policy(policy, LORA) if value_model == "lora" else (policy, make_reference(policy))
+    policy whose reference is the same weights with the adapter disabled, and a value head. ``folder``: the
+    policy is loaded from ``folder/policy`` (the same weights) as a worker loads it, partitioned under ZeRO-3,
+    and the reference is loaded on its own (``PARTITIONED`` records how much of the policy this rank held)."""
+    if folder is not None:
+        saved = folder / "policy"
+        policy, held = load_partitioned(make_strategy, lambda: disable_dropout(GPT2LMHeadModel.from_pretrained(saved)),
+                                        saved)
+        PARTITIONED.append(held)
+        reference = freeze(GPT2LMHeadModel.from_pretrained(saved))
+    else:
+        torch.manual_seed(0)
+        policy = disable_dropout(GPT2LMHeadModel(gpt2_config(VOCAB)))
+        policy, reference = lora_policy(policy, LORA) if value_model == "lora" else (policy, make_reference(policy))
     common = dict(policy=policy, reference=reference, scorer=CountSeven(), stop_token_ids=(EOS,), pad_token_id=PAD)
     if value_model in ("head", "lora"):
         return PPOModels(**common, value_head=ValueHead(32))
@@ -117,8 +148,15 @@ def ppo_models(value_model: str) -> PPOModels:
     return PPOModels(**common, critic=Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1))))
 
 
+PARTITIONED: list[dict[str, int]] = []
+"""What :func:`ppo_models` loading from a folder held of each policy right after loading, in order."""
+
+
 def build_experience(path: Path) -> None:
-    """The rollout batch every run updates on, generated once in one process."""
+    """The rollout batch every run updates on, generated once in one process; the start policy and reward model
+    also saved (``policy/``, ``rm/``) for the runs that load them as the stage's workers do."""
+    ppo_models("critic").policy.save_pretrained(path / "policy")
+    rm_model().save_pretrained(path / "rm")
     for value_model in ("head", "critic", "lora"):
         experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, KL_COEF,
                                                  torch.Generator().manual_seed(0), RunningMoments())
@@ -126,20 +164,22 @@ def build_experience(path: Path) -> None:
 
 
 def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: Path,
-               config: PPOConfig = PPO_CONFIG) -> dict[str, Any]:
+               config: PPOConfig = PPO_CONFIG, load: bool = False) -> dict[str, Any]:
     """One ppo_update (2 epochs x 2 mini-batches of 8; in micro-batches of 2 in one process, of 1 on each of 2
-    processes) on the saved batch."""
+    processes) on the saved batch; ``load``: the policy loaded from ``folder`` (:func:`ppo_models`)."""
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
-    models, strategy = prepare_training(ppo_models(value_model), config, make_strategy)
+    start = ppo_models(value_model, make_strategy, folder if load else None)
+    models, strategy = prepare_training(start, config, make_strategy)
     stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy)
     return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, models.value_model)}
 
 
-def sharded_ppo_step(make_strategy: StrategyFactory, value_model: str) -> dict[str, Any]:
-    """A whole ppo_step: each process generates and scores 8 of the 16 rollouts; one epoch, one mini-batch."""
+def sharded_ppo_step(make_strategy: StrategyFactory, value_model: str, folder: Path | None = None) -> dict[str, Any]:
+    """A whole ppo_step: each process generates and scores 8 of the 16 rollouts; one epoch, one mini-batch
+    (``folder``: the policy loaded from there, :func:`ppo_models`)."""
     config = PPOConfig(rollout_batch_size=16, mini_batch_size=16, micro_batch_size=4, ppo_epochs=1,
                        generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=8))
-    models, strategy = prepare_training(ppo_models(value_model), config, make_strategy)
+    models, strategy = prepare_training(ppo_models(value_model, make_strategy, folder), config, make_strategy)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     stats = ppo_step(models, None, None, state, PROMPTS, config, strategy)
     return {"stats": stats, "generator": state.generator.get_state(), "policy": _state(strategy, models.policy)}
@@ -189,11 +229,15 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
     init_distributed()
     out: dict[str, Any] = {}
     for name, (ds_config, value_model) in CASES.items():
+        load = value_model != "lora"  # loaded as the stage's workers load them (ZeRO-3: partitioned as they load)
         rm = DeepSpeedFactory(ds_config, micro_batch_size=-(-RM_CONFIG.batch_size // world_size))
-        out[f"{name}/rm"] = train_rm(rm, lora=value_model == "lora")
+        out[f"{name}/rm"] = train_rm(rm, lora=value_model == "lora", folder=Path(folder) if load else None)
         ppo = DeepSpeedFactory(ds_config, micro_batch_size=DISTRIBUTED_PPO_CONFIG.micro_batch_size)
-        out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder), DISTRIBUTED_PPO_CONFIG)
-        step = sharded_ppo_step(DeepSpeedFactory(ds_config, micro_batch_size=4), value_model)
+        out[f"{name}/ppo"] = update_ppo(ppo, value_model, Path(folder), DISTRIBUTED_PPO_CONFIG, load=load)
+        step = sharded_ppo_step(DeepSpeedFactory(ds_config, micro_batch_size=4), value_model,
+                                Path(folder) if load else None)
+        out[f"{name}/partitioned"] = list(PARTITIONED)
+        PARTITIONED.clear()
         out[f"{name}/step"] = step["stats"]
         out[f"{name}/step_ranks"] = _all_ranks(step)
     resume = DeepSpeedFactory(ZERO3_OFFLOAD, micro_batch_size=RESUME_CONFIG.micro_batch_size)

@@ -27,6 +27,7 @@ import tasks.stage
 from flows.cli import main
 from flows.pipeline import rlhf_pipeline
 from tasks.run_store import RunStore
+from tests.tiny_models import word_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 #: A small tiny run: 2 PPO iterations of 2 updates, a refresh after the first.
@@ -197,6 +198,7 @@ def test_nothing_in_the_state_folder_is_a_pickle(tmp_path, mlflow_store):
     broken.mkdir()
     GPT2Config(n_embd=32, n_layer=1, n_head=2).to_json_file(broken / "config.json")
     (broken / "model.safetensors").write_bytes(b"not safetensors")
+    word_tokenizer().save_pretrained(broken)  # data-prep counts lengths with the policy's tokenizer: it loads
     assert run_cli("run", "--preset", "tiny", *TINY, f"sft.base_model={broken}", *unique("pickle", tmp_path),
                    "--state-dir", str(state)) == 1
     storage = Path(get_current_settings().results.local_storage_path)

@@ -151,7 +151,7 @@ def test_bad_inputs_are_config_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny", "demo", "gpu-7b"])
 def test_dump_then_load_round_trips(preset: str, tmp_path: Path) -> None:
-    cfg = load_config(None, preset, ["ppo.kl.coef=0.125", "data.prep.max_length=77"])
+    cfg = load_config(None, preset, ["ppo.kl.coef=0.125", "data.prep.max_length=7777"])  # > gpu-7b's prompt cap
     path = tmp_path / "config.yaml"
     dump_config(cfg, path)
     assert load_config(path, None, []) == cfg

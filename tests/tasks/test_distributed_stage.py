@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import socket
+import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,7 +84,12 @@ def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path: Path) -> None:
     command = launch_command(section, tmp_path / "job.json")
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "--hostfile=hosts" in command and "--num_nodes=2" in command
-    assert not any(arg.startswith("--num_gpus") for arg in command)  # the hostfile's slots decide
+    assert "--num_gpus=1" in command  # processes per node: the runner starts them on every node itself
+    assert "--master_addr=127.0.0.1" in command and "--master_port=29600" in command
+    assert "--no_ssh_check" not in command  # several nodes: the runner checks it can reach them before starting
+    one_host = launch_command(DistributedSection(deepspeed_config="x.json", launcher="deepspeed", hostfile="hosts",
+                                                 num_processes=2), tmp_path / "job.json", port=29601)
+    assert {"--num_nodes=1", "--num_gpus=2", "--no_ssh_check", "--master_port=29601"} <= set(one_host)
     assert command[-4:] == ["--module", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
 
 
@@ -114,11 +119,12 @@ def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them
         tmp_path: Path, written_jobs: list[DistributedJob]) -> None:
     cfg = ppo_iteration.Config.of(pipeline_config("ppo.kl.coef=0.125"), 1)
     inputs = {"reference_dir": "sft", "reward_dir": "rm", "prompts_file": "prompts.parquet"}
-    no_weights = SimpleNamespace(policy=None, reference=None, value_model=None, scorer=None)
-    with pytest.raises(_Launched):  # no weights: the stage side builds the job before it needs them
-        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, no_weights, [], 2,  # type: ignore[arg-type]
+    built = []
+    with pytest.raises(_Launched):  # the stage builds no model before its workers have ended
+        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, lambda: built.append(1), [], 2,  # type: ignore
                          tmp_path / "checkpoints", lambda step, metrics: None, None, inputs, tmp_path / "job",
                          checkpoint_every=1)
+    assert built == []
     written = json.loads((tmp_path / "job" / "job.json").read_text())
     assert written["stage"] == "ppo" and written["ppo"]["config"]["kl"]["coef"] == 0.125
     assert written["ppo"]["config"]["total_updates"] == cfg.ppo.total_updates  # the slice's, not re-derived
@@ -140,10 +146,18 @@ def test_reward_job_carries_the_training_settings_and_the_pairs(tmp_path: Path,
     config = pipeline_config("reward_model.training.learning_rate=0.02")
     cfg = reward_model.Config.of(config)
     train, evaluate_on = preference_pairs(6, 0), preference_pairs(2, 1)
+    built = []
+
+    def initial() -> GPT2ForSequenceClassification:
+        model = reward_model_to_train()
+        built.append(weakref.ref(model))
+        return model
+
     with pytest.raises(_Launched):
-        fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train(), word_tokenizer(), train, evaluate_on,
+        fit_reward_model(cfg.distributed, cfg.runtime, initial, word_tokenizer(), train, evaluate_on,
                          cfg.reward_model.training, lambda step, metrics: None, 3, tmp_path / "rm")
     (job,) = written_jobs
+    assert len(built) == 1 and built[0]() is None  # saved for the workers, then dropped before they started
     assert job.stage == "reward-model" and job.reward["eval_every"] == 3
     assert job_settings(RewardTrainingConfig, job.reward["training"], "reward_model.training", job) == \
         cfg.reward_model.training
@@ -174,17 +188,30 @@ def reward_model_to_train() -> GPT2ForSequenceClassification:
     return GPT2ForSequenceClassification(gpt2_config(len(word_tokenizer()), num_labels=1))
 
 
+def deepspeed_config(name: str, folder: Path) -> str:
+    """infra/deepspeed/zero2.json, or zero3_offload.json keeping torch's AdamW (DeepSpeedCPUAdam is a C++ op
+    compiled on first use, minutes on a cold machine: the test is about ZeRO-3's partitioning, not a compiler)."""
+    if name == "zero2":
+        return "infra/deepspeed/zero2.json"
+    config = json.loads(Path("infra/deepspeed/zero3_offload.json").read_text())
+    path = folder / "zero3.json"
+    path.write_text(json.dumps({**config, "zero_force_ds_cpu_optimizer": False}))
+    return str(path)
+
+
 @pytest.mark.slow
-def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_path: Path) -> None:
-    cfg = reward_model.Config.of(pipeline_config())
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_path: Path, zero: str) -> None:
+    """ZeRO-3: the workers load the reward model partitioned (zero.partitioned_loading); the result is the same."""
+    cfg = reward_model.Config.of(pipeline_config(f"distributed.deepspeed_config={deepspeed_config(zero, tmp_path)}"))
     training = cfg.reward_model.training
     train, evaluate_on = preference_pairs(40, 0), preference_pairs(8, 1)
     local_log, launched_log = [], []
-    local = fit_reward_model(None, cfg.runtime, (one := reward_model_to_train()), word_tokenizer(), train,
-                             evaluate_on, training, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
-    launched = fit_reward_model(cfg.distributed, cfg.runtime, (two := reward_model_to_train()), word_tokenizer(),
-                                train, evaluate_on, training, lambda s, m: launched_log.append((s, m)), 2,
-                                tmp_path / "rm")
+    one, local = fit_reward_model(None, cfg.runtime, reward_model_to_train, word_tokenizer(), train,
+                                  evaluate_on, training, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
+    two, launched = fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train, word_tokenizer(),
+                                     train, evaluate_on, training, lambda s, m: launched_log.append((s, m)), 2,
+                                     tmp_path / "rm")
 
     assert (tmp_path / "rm" / "job.json").is_file() and not (tmp_path / "unused").exists()
     assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
@@ -203,10 +230,31 @@ def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_pa
 
 
 @pytest.mark.slow
-def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path: Path) -> None:
+def test_the_deepspeed_launcher_starts_the_workers_of_a_one_host_hostfile(tmp_path: Path) -> None:
+    """The real ``deepspeed.launcher.runner`` command of :func:`launch_command` with ``localhost slots=2``: it
+    starts both workers here (one active host: no ssh), and the stage gets what the in-process training gives."""
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    cfg = reward_model.Config.of(pipeline_config("distributed.launcher=deepspeed",
+                                                 f"distributed.hostfile={tmp_path / 'hostfile'}"))
+    train, evaluate_on, steps = preference_pairs(16, 0), preference_pairs(4, 1), []
+    _, local = fit_reward_model(None, cfg.runtime, reward_model_to_train, word_tokenizer(), train, evaluate_on,
+                                cfg.reward_model.training, lambda s, m: None, 1, tmp_path / "unused")
+    _, launched = fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train, word_tokenizer(), train,
+                                   evaluate_on, cfg.reward_model.training, lambda s, m: steps.append(s), 1,
+                                   tmp_path / "rm")
+    assert steps and steps == sorted(steps)  # rank 0's metric lines reached the stage
+    assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
+    assert launched.final_eval.loss == pytest.approx(local.final_eval.loss, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path: Path, zero: str) -> None:
+    """ZeRO-3: the workers load the policy partitioned and the reference on its own."""
     tokenizer = word_tokenizer()
     saved = save_ppo_inputs(tmp_path, PROMPTS)
-    cfg = ppo_iteration.Config.of(pipeline_config(), 1)
+    config = pipeline_config(f"distributed.deepspeed_config={deepspeed_config(zero, tmp_path)}")
+    cfg = ppo_iteration.Config.of(config, 1)
     inputs = {"reference_dir": saved["sft"], "reward_dir": saved["rm"], "prompts_file": saved["prompts"]}
 
     def models_and_prompts():
@@ -216,11 +264,12 @@ def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path:
                                    max_positions(models.policy) - cfg.ppo.generation.max_new_tokens)
         return models, prompts
 
-    models, prompts = models_and_prompts()
+    _, prompts = models_and_prompts()
     logged = []
-    result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed, models, prompts, 2,
-                              tmp_path / "checkpoints", lambda step, metrics: logged.append(step), None, inputs,
-                              tmp_path / "distributed", checkpoint_every=1)
+    models, result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed,
+                                      lambda: models_and_prompts()[0], prompts, 2, tmp_path / "checkpoints",
+                                      lambda step, metrics: logged.append(step), None, inputs,
+                                      tmp_path / "distributed", checkpoint_every=1)
 
     final = latest_checkpoint(tmp_path / "checkpoints")
     assert final.name == "step_000002"

@@ -1,6 +1,6 @@
 """Launch hygiene: the workers of a stage run in a process group of their own that ends with the stage (SIGTERM,
 then SIGKILL), a one-node launch picks a free rendezvous port each time, so a retry never collides with the
-workers of the attempt before it, and the stage's own models leave the accelerator while the workers train."""
+workers of the attempt before it."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tasks import launch as launch_module
 from tasks.config import DistributedSection, load_config
-from tasks.launch import DistributedJob, free_port, launch, launch_command, off_the_accelerator
+from tasks.launch import DistributedJob, free_port, launch, launch_command
 from tasks.typed_yaml import ConfigError
 
 #: A stand-in for torchrun: starts a "worker" (a grandchild in the same process group) that may ignore SIGTERM,
@@ -109,30 +107,7 @@ def test_one_node_launches_pick_a_free_port_each_time_and_several_nodes_must_nam
     with pytest.raises(ConfigError, match=r"num_nodes > 1 needs distributed.master_port") as info:
         load_config(preset="tiny", overrides=["distributed.deepspeed_config=x.json", "distributed.num_nodes=2"])
     assert "\n" not in str(info.value)
-
-
-class _OnDevice:
-    """A model on an accelerator as off_the_accelerator sees it: its parameters' device and .to()."""
-
-    def __init__(self, device: str) -> None:
-        self.device, self.moves = torch.device(device), []
-
-    def parameters(self):
-        yield SimpleNamespace(device=self.device)
-
-    def to(self, device):
-        self.moves.append(str(device))
-        self.device = torch.device(device)
-        return self
-
-
-def test_the_stage_holds_its_models_in_host_memory_while_the_workers_train():
-    """The stage's own copies leave cuda:0 (which a worker uses too) for the launch and come back after it, also
-    when the launch fails; models on the CPU stay where they are."""
-    gpu, other, cpu = _OnDevice("cuda:0"), _OnDevice("cuda:1"), _OnDevice("cpu")
-    with off_the_accelerator([gpu, None, other, cpu]):
-        assert (gpu.device.type, other.device.type) == ("cpu", "cpu")
-    assert (str(gpu.device), str(other.device), cpu.moves) == ("cuda:0", "cuda:1", [])
-    with pytest.raises(_Stop), off_the_accelerator([gpu]):
-        raise _Stop
-    assert gpu.moves == ["cpu", "cuda:0", "cpu", "cuda:0"]
+    with pytest.raises(ConfigError, match=r"launcher=deepspeed needs distributed.hostfile") as info:
+        load_config(preset="tiny", overrides=["distributed.deepspeed_config=x.json", "distributed.num_nodes=2",
+                                              "distributed.launcher=deepspeed", "distributed.master_port=29500"])
+    assert "\n" not in str(info.value)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tasks import best_of_n, data_prep, dpo, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft
+from rlhf_core.ranges import is_retention
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.run_store import stage_key
 from tasks.typed_yaml import DERIVED, config_to_dict, dump_config_text
@@ -32,7 +33,7 @@ STAGE_MODULES = (data_prep, sft, reward_model, best_of_n, ppo_iteration, heldout
 
 #: Settings no stage reads: where a run lives and how it is named and tracked, never what it computes.
 RUN_LEVEL = {"name", "state_dir", "tracking.experiment", "tracking.policy_model", "tracking.reward_model",
-             "tracking.heldout_reward_model", "tracking.tracking_uri", "orchestration.stage_timeout_minutes"}
+             "tracking.heldout_reward_model", "tracking.tracking_uri", "tracking.model_storage", "orchestration.stage_timeout_minutes"}
 #: Settings that cannot change alone (validation ties them to another): the other variant changes them.
 ONLY_WITH_ANOTHER = {
     "data.source": "files needs data.files", "data.files": "only with data.source=files",
@@ -166,7 +167,7 @@ def candidates(value: Any, hint: Any) -> list[Any]:
         return [not value]
     if isinstance(value, int) or hint is int:
         v = value or 0
-        return [v + 1, v - 1, v * 2, 1, 2]
+        return [v + 1, v - 1, v * 2, 1, 2, 1 << 20]  # the last: above floors such as a token budget's
     if isinstance(value, float) or hint is float:
         v = value or 0.0
         return [v * 0.5 if v else 0.25, v + 0.1, v * 2, 0.5]
@@ -187,6 +188,12 @@ def leaf_hint(config: Any, dotted: str) -> Any:
     for part in parents:
         node = getattr(node, part)
     return typing.get_type_hints(type(node))[last], getattr(node, last)
+
+
+def _retention(config: Any, dotted: str) -> bool:
+    *parents, last = dotted.split(".")
+    node = functools.reduce(getattr, parents, config)
+    return is_retention(typing.get_type_hints(type(node), include_extras=True)[last])
 
 
 def perturbed(config: PipelineConfig, dotted: str) -> Iterator[PipelineConfig]:
@@ -234,7 +241,9 @@ def test_exactly_the_stages_that_read_a_setting_get_a_new_key(variant: str) -> N
     base = keys(config)
     mismatches, unchangeable = [], []
     for leaf in leaves(config):
-        readers = {stage for stage, leafs in reads.items() if leaf in leafs}
+        # A retention setting (how many checkpoints are kept) is read, yet changes no result: no key may move.
+        readers = set() if _retention(config, leaf) else {
+            stage for stage, leafs in reads.items() if leaf in leafs}
         moved_any, seen_changes = False, set()
         for other in perturbed(config, leaf):
             changed = {stage for stage, key in keys(other).items() if key != base[stage]}
@@ -249,6 +258,7 @@ def test_exactly_the_stages_that_read_a_setting_get_a_new_key(variant: str) -> N
     assert not mismatches, "\n".join(mismatches)
     # Every setting is read by some stage, or is a run/flow-level one; and only a few cannot change alone.
     unread = {leaf for leaf in leaves(config) if not any(leaf in leafs for leafs in reads.values())}
+    assert {"ppo.keep_checkpoints", "ppo.keep_resume_states"} <= set(leaves(config)) - unread  # read, yet keyless
     assert RUN_LEVEL <= unread, "where a run lives and how it is tracked must never enter a stage's key"
     assert unread - RUN_LEVEL - FLOW_LEVEL <= _conditional(variant), unread
     assert set(unchangeable) <= set(ONLY_WITH_ANOTHER), unchangeable

@@ -1,0 +1,180 @@
+"""max_tokens_per_forward is a memory knob: reward-model training, pair scores, rollout scores and experience
+collection give what the row-only path gives, while the budget really splits batches into unequal chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
+from rlhf_core.evaluation.annotators import ReplyPair, RewardModelJudge
+from rlhf_core.evaluation.policy_eval import rollout_kl
+from rlhf_core.models.budget import packs_scores, pair_chunks, row_chunks, token_chunks
+from rlhf_core.models.packing import supports_packing
+from rlhf_core.models.roles import (
+    ValueHead,
+    disable_dropout,
+    freeze,
+    load_reward_model,
+    make_reference,
+)
+from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.text import keep_tail, pad_id
+from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.training.experience import PPOModels, collect_experience
+from rlhf_core.training.reward_training import (
+    PreferencePair,
+    _micro_batches,
+    encode_pairs,
+    evaluate_reward_model,
+    score_pairs,
+    train_reward_model,
+)
+from rlhf_core.training.rollout import generate, left_pad
+from rlhf_core.training.strategy import LocalStrategy, TrainableGroup
+from tests.behaviour.test_model_families import (
+    SPREAD,
+    TEXTS,
+    handmade_rollout,
+    own_tokenizer,
+)
+from tests.model_families import save_policy, save_reward_model
+from tests.tiny_models import gpt2_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+WORDS = ["cat", "dog", "sat", "ran", "on", "mat", "red", "blue", "big", "small"]
+#: 16 pairs whose sides run from 3 to 10 tokens, so a token budget takes 1 to 4 pairs per forward.
+PAIRS = [PreferencePair("q " + WORDS[i % 10], " good " + " ".join(WORDS[: 1 + (i * 3) % 7]), " bad " + WORDS[i % 5],
+                        margin=float(i % 3)) for i in range(16)]
+
+
+def _sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float) -> LocalStrategy:
+    params = [p for g in groups for p in g.params]
+    return LocalStrategy(torch.optim.SGD(params, lr=0.1), None, max_grad_norm, tuple(g.module for g in groups))
+
+
+def _rm_config(micro: int | None, budget: int | None) -> RewardTrainingConfig:
+    return RewardTrainingConfig(epochs=1, batch_size=8, micro_batch_size=micro, max_tokens_per_forward=budget,
+                                learning_rate=0.1, max_grad_norm=1e9, use_margin=True, center_rewards_coef=0.05,
+                                max_length=12)
+
+
+def test_reward_model_token_budget_never_changes_the_update(tiny_reward_dir, tokenizer) -> None:
+    """Two SGD steps with budgets of 24 and 40 tokens (micro-batches of 1 to 4 pairs, unequal within one step), with
+    the margin and the centring term in the loss, give the weights of whole 8-pair batches."""
+    model = load_reward_model(str(tiny_reward_dir))
+    data = encode_pairs(tokenizer, PAIRS, 12)
+    for budget in (24, 40):
+        one_process = SimpleNamespace(rank=0, world_size=1)
+        sizes = [len(part) for part, _ in _micro_batches(data, list(range(8)), one_process, _rm_config(None, budget),
+                                                           packs_scores(model))]
+        assert sum(sizes) == 8 and len(set(sizes)) > 1, sizes  # the budget really splits, unequally
+    results, start = {}, None
+    for micro, budget in ((None, None), (None, 24), (None, 40), (3, 40)):
+        model = load_reward_model(str(tiny_reward_dir))
+        start = start or {k: v.clone() for k, v in model.state_dict().items()}
+        history = train_reward_model(model, tokenizer, PAIRS, PAIRS[:5], _rm_config(micro, budget), make_strategy=_sgd)
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        results[micro, budget] = (weights, history.train_loss, history.final_eval)
+    whole, losses, evaluation = results[None, None]
+    assert max(float((whole[k] - v).abs().max()) for k, v in start.items()) > 1e-3  # the weights moved
+    for key in ((None, 24), (None, 40), (3, 40)):
+        weights, budget_losses, budget_eval = results[key]
+        assert max(float((weights[k] - whole[k]).abs().max()) for k in whole) < 1e-6, key
+        assert budget_losses == pytest.approx(losses, abs=1e-6)
+        assert budget_eval.loss == pytest.approx(evaluation.loss, abs=1e-6)
+        assert budget_eval.margin_mean == pytest.approx(evaluation.margin_mean, abs=1e-6)
+
+
+def test_pair_scores_and_the_judge_are_the_same_under_a_budget(tiny_reward_dir, tokenizer) -> None:
+    model = load_reward_model(str(tiny_reward_dir)).eval()
+    data = encode_pairs(tokenizer, PAIRS, 12)
+    assert len(pair_chunks(model, data.chosen, data.rejected, 16, 24)) > 2
+    chosen, rejected = score_pairs(model, data.chosen, data.rejected, pad_id(tokenizer), 16)
+    budget_chosen, budget_rejected = score_pairs(model, data.chosen, data.rejected, pad_id(tokenizer), 16, 24)
+    torch.testing.assert_close(budget_chosen, chosen, atol=1e-6, rtol=0)
+    torch.testing.assert_close(budget_rejected, rejected, atol=1e-6, rtol=0)
+    assert evaluate_reward_model(model, tokenizer, data, 16, 24).loss == pytest.approx(
+        evaluate_reward_model(model, tokenizer, data).loss, abs=1e-6)
+    replies = [ReplyPair(p.prompt, p.chosen, p.rejected) for p in PAIRS]
+    a, b = RewardModelJudge(model, tokenizer, 12, batch_size=16).scores(replies)
+    budget_a, budget_b = RewardModelJudge(model, tokenizer, 12, batch_size=16, max_tokens=24).scores(replies)
+    torch.testing.assert_close(budget_a, a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(budget_b, b, atol=1e-6, rtol=0)
+
+
+def test_an_encoder_scorer_counts_padded_tokens_and_scores_the_same(tmp_path: Path) -> None:
+    """A BERT reward model (a padded forward, behind [CLS]) of a GPT-2 policy's text, re-tokenized."""
+    policy_tokenizer = own_tokenizer(save_policy("gpt2", tmp_path / "policy"))
+    folder = save_reward_model("bert", tmp_path / "rm", seed=2, initializer_range=SPREAD)
+    rm, rm_tokenizer = freeze(load_reward_model(folder)), own_tokenizer(folder)
+    rollout = handmade_rollout(policy_tokenizer, [(prompt, reply, row % 2 == 0) for row, (prompt, reply)
+                                                  in enumerate(TEXTS)])
+    whole = RewardModelScorer(rm, policy_tokenizer, rm_tokenizer, batch_size=6)
+    budget = RewardModelScorer(rm, policy_tokenizer, rm_tokenizer, batch_size=6, max_tokens=40)
+    assert not budget.packed
+    lengths = [len(keep_tail(row, budget.max_length, budget.prefix)[0]) for row in budget._retokenized(rollout)]
+    assert len(token_chunks(lengths, 6, 40)) > 2  # rows x longest <= 40: the six rows go in several forwards
+    torch.testing.assert_close(budget(rollout), whole(rollout), atol=1e-6, rtol=0)
+
+
+def _ppo_models(tokenizer) -> PPOModels:
+    torch.manual_seed(0)
+    policy = disable_dropout(GPT2LMHeadModel(gpt2_config(len(tokenizer))))
+    torch.manual_seed(1)
+    rm = freeze(GPT2ForSequenceClassification(gpt2_config(len(tokenizer), num_labels=1)))
+    scorer = RewardModelScorer(rm, tokenizer, batch_size=8)
+    return PPOModels(policy, make_reference(policy), scorer, (tokenizer.eos_token_id,), pad_id(tokenizer),
+                     value_head=ValueHead(32))
+
+
+def test_experience_is_the_same_under_a_token_budget(tokenizer) -> None:
+    """Old and reference log-probs, values and reward-model scores of 16 rollouts, 8 per forward or at most 24
+    tokens per forward (1 to 3 rollouts)."""
+    prompts = [tokenizer("q " + " ".join(WORDS[: 1 + i % 6]), add_special_tokens=False)["input_ids"]
+               for i in range(16)]
+    generation = GenerationConfig(max_new_tokens=8, temperature=0.7, batch_size=16)
+    results = {}
+    for budget in (None, 24):
+        models = _ppo_models(tokenizer)
+        models.scorer.max_tokens = budget
+        config = PPOConfig(rollout_batch_size=16, mini_batch_size=8, micro_batch_size=8, generation=generation,
+                           max_tokens_per_forward=budget)
+        experience, *_ = collect_experience(models, prompts, config, 0.1, torch.Generator().manual_seed(0),
+                                            RunningMoments())
+        results[budget] = experience
+    whole, budget = results[None], results[24]
+    assert supports_packing(_ppo_models(tokenizer).policy)
+    sizes = [len(c) for c in row_chunks(budget.rollout.attention_mask, 8, 24, packed=True)]
+    assert len(set(sizes)) > 1, sizes  # the budget really splits, unequally
+    assert torch.equal(budget.rollout.response_ids, whole.rollout.response_ids)
+    mask = whole.rollout.response_mask  # what a padded slot holds depends on whether its chunk was packed: unread
+    for name in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
+        torch.testing.assert_close(getattr(budget, name)[mask], getattr(whole, name)[mask], atol=1e-6, rtol=0,
+                                   msg=name)
+    torch.testing.assert_close(budget.scores, whole.scores, atol=1e-6, rtol=0)
+
+
+def test_evaluation_kl_is_the_same_under_a_token_budget(tokenizer) -> None:
+    """heldout-eval's per-reply KL (k1, k3) to the reference: the whole batch in one forward, or at most 24 tokens."""
+    models = _ppo_models(tokenizer)
+    torch.manual_seed(2)
+    with torch.no_grad():  # a policy that differs from its reference, so the KL is not zero
+        for param in models.policy.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    prompts = [tokenizer("q " + " ".join(WORDS[: 1 + i % 6]), add_special_tokens=False)["input_ids"]
+               for i in range(12)]
+    ids, mask = left_pad(prompts, models.pad_token_id)
+    rollout = generate(models.policy, ids, mask, GenerationConfig(max_new_tokens=8, batch_size=12),
+                       models.stop_token_ids, models.pad_token_id, torch.Generator().manual_seed(0))
+    whole = rollout_kl(models.policy, models.reference, rollout)
+    budget = rollout_kl(models.policy, models.reference, rollout, max_tokens=24)
+    assert len(row_chunks(rollout.attention_mask, 12, 24, packed=True)) > 2
+    assert whole[0].abs().min() > 1e-3
+    for exact, chunked in zip(whole, budget, strict=True):
+        torch.testing.assert_close(chunked, exact, atol=1e-6, rtol=0)
