@@ -108,10 +108,10 @@ class PPOConfig:
     micro_batch_size: PositiveInt = 16
     """Rollouts per forward/backward; mini_batch_size / micro_batch_size = gradient-accumulation steps."""
     max_tokens_per_forward: PositiveInt | None = None
-    """Most tokens in one forward of experience collection (old / reference log-probs, values, reward-model scores):
-    at most micro_batch_size rollouts, fewer while they are long (rlhf_core/models/budget.py); a rollout longer than
-    it goes alone. None = micro_batch_size rollouts always. A memory knob: the results are the same. The PPO
-    training micro-batches stay micro_batch_size rollouts."""
+    """Most tokens in one forward, in experience collection (old / reference log-probs, values, reward-model scores)
+    and in the PPO training micro-batches: at most micro_batch_size rollouts, fewer while they are long (real tokens
+    where the policy packs rows, else rows x width; rlhf_core/models/budget.py); a rollout longer than it goes alone.
+    None = micro_batch_size rollouts always. A memory knob: the results are the same."""
     ppo_epochs: PositiveInt = 4
     """Passes over each rollout batch (TRL 4; OpenRLHF/verl 1)."""
     learning_rate: Positive = 1e-5

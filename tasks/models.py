@@ -67,7 +67,8 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     model with the adapter disabled, and a critic is a LoRA adapter on the scorer's reward model: two copies
     of base weights instead of four. ``policy_loading(reference_dir)``: the block the policy is loaded in, which
     says whether it came out partitioned (DeepSpeed workers: ``zero.partitioned_loading``); a partitioned policy
-    is left where ZeRO put it and the reference is loaded from disk on its own, not copied from it.
+    is left where ZeRO put it, the reference is loaded from disk on its own, not copied from it, and so is a
+    critic's reward model, in the same block as the policy.
     """
     device, dtype, lora = runtime.torch_device, runtime.torch_dtype, config.lora
     with (policy_loading or _whole)(reference_dir) as partitioned:
@@ -88,6 +89,9 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
         return PPOModels(**common)
     if config.value_model == "critic":
         check_critic(reward_model, tokenizer, rm_tokenizer)
+        if partitioned:  # its own copy, loaded partitioned as the policy was: no rank holds the critic whole
+            with (policy_loading or _whole)(reward_dir):
+                return PPOModels(**common, critic=Critic(load_reward_model(str(reward_dir), dtype), copy_weights=False))
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))
     return PPOModels(**common, value_head=ValueHead(hidden_size, seed=seed).to(device))

@@ -35,7 +35,7 @@ Bytes are decimal GB in tables (1 GB = 1e9 bytes). Sources of each formula:
   ``rm_max_tokens_per_forward`` bound the rows of scoring and reward-model forwards (``rlhf_core/models/budget.py``;
   :func:`benchmarks.memory.shapes.budget_rows`); ``offload_frozen`` takes the frozen weights that share nothing
   with a trained model off the GPU for training and the step (``rlhf_core/models/offload.py``; ``Roles.parked``);
-  ZeRO-3 workers load the policy partitioned and the critic whole until its engine starts (``Roles.load_transient``).
+  ZeRO-3 workers load every trained model (policy, critic) partitioned (``zero.partitioned_loading``).
 """
 
 from __future__ import annotations
@@ -143,28 +143,28 @@ def phases(shape: ModelShape, run: RunShape) -> dict[str, dict[str, int]]:
     Steady state: the optimizer state of the previous update is allocated through the next rollout, and so are
     the gradients that outlive a step (:class:`TrainedState`). The optimizer step is a phase of its own: the
     activations are freed by then, DeepSpeed's fp32 gradient partition is allocated. ``load`` is a worker's start:
-    every model built, the policy's engine started and, under ZeRO-3, the critic still whole
-    (:attr:`Roles.load_transient`; a bound: it assumes the policy's engine starts first). Training and the step
-    hold the frozen weights less what ``offload_frozen`` parks; scoring forwards hold ``run.scoring_rows``
-    sequences and reward-model forwards ``run.rm_pairs`` pairs (the token budgets).
+    every model built and the engines started (under ZeRO-3 the trained models load partitioned, so no rank holds
+    one whole; a bound: the states of both engines are counted). Training and the step
+    hold the frozen weights less what ``offload_frozen`` parks; scoring and PPO training forwards hold
+    ``run.scoring_rows`` sequences and reward-model forwards ``run.rm_pairs`` pairs (the token budgets).
     """
     r = roles(shape, run)
     rollout_resident = r.frozen + r.policy.idle + r.value.idle + r.rollout_copies
     training_frozen = r.frozen - r.parked  # ppo.offload_frozen: parked in host memory for training and the step
     per_rank_rollouts = min(run.generation_batch, -(-run.rollout_batch // run.gpus))
-    rows = run.micro_batch * run.response_length
-    scoring_rows = run.scoring_rows  # ppo.max_tokens_per_forward bounds the experience passes, not training
+    scoring_rows = run.scoring_rows  # ppo.max_tokens_per_forward bounds the experience passes and training alike
+    rows = scoring_rows * run.response_length
     prefill = kv_cache_bytes(shape, run, per_rank_rollouts, run.prompt_length) + \
         transient_per_token(shape, run) * per_rank_rollouts * run.prompt_length
     decode = kv_cache_bytes(shape, run, per_rank_rollouts, run.sequence) + \
         per_rank_rollouts * shape.vocab * (run.act_bytes + 8)
     scoring = mask_bytes(scoring_rows, run.sequence) + transient_per_token(shape, run) * scoring_rows * run.sequence \
         + vocab_bytes(shape, run, scoring_rows * run.response_length, False)
-    policy_act = training_activations(shape, run, run.micro_batch, run.sequence)
-    critic_act = training_activations(shape, run, run.micro_batch, run.sequence) if run.value_model == "critic" else 0
+    policy_act = training_activations(shape, run, scoring_rows, run.sequence)
+    critic_act = training_activations(shape, run, scoring_rows, run.sequence) if run.value_model == "critic" else 0
     rm_training, rm_step = reward_model_state(shape, run)
     out = {
-        "load": {"weights_and_states": r.frozen + r.policy.idle + (r.load_transient or r.value.idle)},
+        "load": {"weights_and_states": r.frozen + r.policy.idle + r.value.idle},
         "rollout": {"weights_and_states": rollout_resident, "kv_cache_and_step": max(prefill, decode)},
         "scoring": {"weights_and_states": rollout_resident, "forward": scoring},
         "training": {"weights_and_states": training_frozen + r.policy.training + r.value.training,
@@ -196,8 +196,7 @@ def summary(shape: ModelShape, run: RunShape) -> dict[str, object]:
         "parameters": {"policy": causal_lm_parameters(shape), "reward_model": reward_model_parameters(shape),
                        "lora": lora_parameters(shape, run.lora_rank) if run.lora_rank else 0},
         "per_gpu": {"frozen_weights": r.frozen, "policy_state": asdict(r.policy), "value_state": asdict(r.value),
-                    "rollout_copies": r.rollout_copies, "parked_in_training": r.parked,
-                    "load_transient": r.load_transient},
+                    "rollout_copies": r.rollout_copies, "parked_in_training": r.parked},
         "phases": per_phase,
         "peak": max(per_phase[name]["peak"] for name in PPO_PHASES),
         "reward_model_peak": max(per_phase[name]["peak"] for name in ("reward_model_training", "reward_model_step")),

@@ -72,7 +72,7 @@ class RunShape:
     """``ppo.micro_batch_size``: sequences per training forward (and at most per scoring forward)."""
     max_tokens_per_forward: int | None = None
     """``ppo.max_tokens_per_forward``: tokens per scoring forward (old / reference log-probs, values, RM scores)
-    on top of ``micro_batch`` rows; training micro-batches stay by rows. None = rows only (gpu-7b: 16384)."""
+    on top of ``micro_batch`` rows, PPO training micro-batches included. None = rows only (gpu-7b: 16384)."""
     generation_batch: int = 64
     """``ppo.generation.batch_size``: sequences sampled together (each holds a KV cache)."""
     rollout_batch: int = 128

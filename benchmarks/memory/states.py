@@ -96,9 +96,6 @@ class Roles:
     """ZeRO-3: whole bf16 copies of the trained models during rollout and scoring (``strategy.inference``)."""
     parked: int = 0
     """Of ``frozen``, what ``ppo.offload_frozen`` holds in host memory during training and the optimizer step."""
-    load_transient: int = 0
-    """ZeRO-3: the critic built whole on every rank before its engine partitions it (``Critic`` copies its
-    reward model; the policy loads partitioned under ``zero.Init``)."""
 
 
 def roles(shape: ModelShape, run: RunShape) -> Roles:
@@ -115,8 +112,7 @@ def roles(shape: ModelShape, run: RunShape) -> Roles:
              "none": none}[run.value_model]
     copies = wb * (psi_p + (psi_r if critic else 0)) if run.zero_stage == 3 else 0
     parked = wb * (psi_p + psi_r) if run.offload_frozen else 0
-    transient = wb * psi_r if critic and run.zero_stage == 3 and run.optimizer == "deepspeed" else 0
-    return Roles(wb * (psi_p + psi_r), trained_state(psi_p, shape, run), value, copies, parked, transient)
+    return Roles(wb * (psi_p + psi_r), trained_state(psi_p, shape, run), value, copies, parked)
 
 
 def reward_model_state(shape: ModelShape, run: RunShape) -> tuple[int, int]:

@@ -97,3 +97,15 @@ def split_to(chunks: Sequence[range], count: int) -> list[range]:
         middle = chunk.start + len(chunk) // 2
         parts[widest:widest + 1] = [range(chunk.start, middle), range(middle, chunk.stop)]
     return parts
+
+
+def same_count(plans: Sequence[Sequence[range]], rank: int) -> list[tuple[range, bool]]:
+    """Rank ``rank``'s chunks ``(rows, counted)`` when every rank runs as many forwards as the rank whose plan has
+    most: its own plan ``plans[rank]`` split further (:func:`split_to`) and, where that cannot reach the count, its
+    first row again, not counted (its loss weighs 0; it only keeps the collectives of the others going).
+
+    Every rank can compute every rank's plan (they all hold the whole batch), so no rank has to ask.
+    """
+    count = max(len(plan) for plan in plans)
+    parts = [(chunk, True) for chunk in split_to(plans[rank], count)]
+    return parts + [(range(1), False)] * (count - len(parts))

@@ -57,9 +57,12 @@ def keep_in_float32(module: nn.Module) -> nn.Module:
     |w| >= 2^-6 is under half the spacing between bf16 numbers there and rounds away: the head never moves.
     Its inputs are cast to its weights' dtype on the way in (a forward pre-hook, so callers and an encoder's own
     classification forward need not); under bf16 autocast the matmul still runs in bf16, and only the stored weight
-    (and so the update) keeps full precision.
+    (and so the update) keeps full precision. A head partitioned by ZeRO-3 as it loaded (its parameters carry
+    DeepSpeed's ``ds_id`` and hold only this rank's shard) is not cast: its engine decides the stored dtype (the bf16
+    mode keeps fp32 master weights).
     """
-    module.float()
+    if not any(hasattr(p, "ds_id") for p in module.parameters()):
+        module.float()
     if not getattr(module, "_casts_inputs", False):
         module.register_forward_pre_hook(_inputs_to_weight_dtype)
         module._casts_inputs = True
@@ -219,9 +222,11 @@ class Critic(nn.Module):
     reward model's dtype.
     """
 
-    def __init__(self, reward_model: PreTrainedModel) -> None:
+    def __init__(self, reward_model: PreTrainedModel, copy_weights: bool = True) -> None:
+        """``copy_weights=False``: ``reward_model`` is the critic's own (loaded for it, e.g. partitioned by ZeRO-3 as
+        it loaded, which a deep copy would not keep apart), not the scorer's."""
         super().__init__()
-        self.model = disable_dropout(copy.deepcopy(reward_model))
+        self.model = disable_dropout(copy.deepcopy(reward_model) if copy_weights else reward_model)
         self.model.requires_grad_(True)
         keep_in_float32(split_classifier(self.model)[1])
 

@@ -85,7 +85,10 @@ def value_loss(
     clipped = torch.where(response_mask, values_clipped - returns, zeros) ** 2
     loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), response_mask, normaliser)
     with torch.no_grad():
-        clipfrac = agg_loss((clipped > unclipped).float(), response_mask,
+        # Tokens whose clipped term is the one taken; where the clamp did not bind, V_old + (V - V_old) differs from V
+        # by rounding only, and counting those would make the fraction depend on thread count and micro-batch size.
+        bound = (values - old_values).abs() > clip_range_value
+        clipfrac = agg_loss(((clipped > unclipped) & bound).float(), response_mask,
                             normaliser.per_token() if normaliser is not None else None)
     return ValueLossOutput(loss, clipfrac)
 

@@ -15,12 +15,19 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.models.budget import row_chunks, same_count
 from rlhf_core.models.lora import AdapterDisabled
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models.offload import OffloadPlan, offload_plan, parked, scorer_networks
+from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import critic_forward, policy_forward
-from rlhf_core.ppo.kl import AdaptiveKLController, FixedKLController, KLController, kl_estimate
 from rlhf_core.ppo.aggregation import Normaliser, agg_loss
+from rlhf_core.ppo.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    kl_estimate,
+)
 from rlhf_core.ppo.losses import ValueLossOutput, policy_loss, ppo_objective, value_loss
 from rlhf_core.ppo.masking import masked_var
 from rlhf_core.ppo.rewards import RunningMoments
@@ -213,7 +220,8 @@ def ppo_update(
     so the micro-batches' losses add up to the mini-batch's loss: micro-batch size and process count change memory
     and speed, never the update. Data-parallel, each rank runs the micro-batches of its contiguous share of every
     mini-batch (the same micro-batches one process would run, split between ranks); the strategy averages the
-    gradients over ranks, so each rank's share of the sum is scaled by the number of ranks.
+    gradients over ranks, so each rank's share of the sum is scaled by the number of ranks. Micro-batches hold at
+    most ``ppo.micro_batch_size`` rollouts and ``ppo.max_tokens_per_forward`` tokens (:func:`training_micro_batches`).
     """
     strategy = _local_if_none(strategy, optimizer, scheduler, config)
     if config.gradient_checkpointing:
@@ -221,7 +229,7 @@ def ppo_update(
         if models.critic is not None:
             enable_gradient_checkpointing(models.critic)
     batch = experience.rollout.query_ids.shape[0]
-    per_rank = config.mini_batch_size // strategy.world_size
+    packed = supports_packing(models.policy)
     if config.mini_batch_size % (config.micro_batch_size * strategy.world_size):
         raise ValueError(f"ppo.mini_batch_size ({config.mini_batch_size}) must be a multiple of ppo.micro_batch_size "
                          f"x processes ({config.micro_batch_size} x {strategy.world_size})")
@@ -235,15 +243,16 @@ def ppo_update(
             whole = order[start : start + config.mini_batch_size]
             normaliser = Normaliser.of(experience.rollout.response_mask[whole.to(device)], config.loss_aggregation,
                                        config.generation.max_new_tokens)
-            mini = shard(whole, strategy.rank, strategy.world_size)
             strategy.zero_grad()
-            for micro_start in range(0, per_rank, config.micro_batch_size):
-                micro = experience.select(mini[micro_start : micro_start + config.micro_batch_size].to(device))
+            for rows, counted in training_micro_batches(whole, experience.rollout.attention_mask, strategy, config,
+                                                        packed):
+                micro = experience.select(rows.to(device))
                 with autocast(config.autocast, device):
                     loss, parts = micro_batch_loss(models, micro, config, kl_coef, normaliser)
                 refuse_non_finite(strategy, "PPO loss", float(loss.detach()), parts)
-                strategy.backward(loss * strategy.world_size)
-                _accumulate(totals, parts, 1.0)
+                strategy.backward(loss * (strategy.world_size if counted else 0.0))
+                if counted:  # a weight-0 repeat only keeps this rank's collectives in step with the others'
+                    _accumulate(totals, parts, 1.0)
             policy_norm, *value_norm = strategy.step()
             _accumulate(norms, {"policy_grad_norm": policy_norm, "value_grad_norm": sum(value_norm)}, 1.0)
             n_minibatches += 1
@@ -256,6 +265,26 @@ def ppo_update(
         explained_variance=explained_variance(experience.old_values, experience.returns, experience.rollout.response_mask),
         learning_rate=strategy.learning_rate(),
     )
+
+
+def training_micro_batches(whole: torch.Tensor, attention_mask: torch.Tensor, strategy: Strategy, config: PPOConfig,
+                           packed: bool) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's share of the mini-batch ``whole`` (row indices into the experience) as micro-batches
+    ``(rows, counted)``, consecutive and in order.
+
+    Each holds at most ``ppo.micro_batch_size`` rollouts and ``ppo.max_tokens_per_forward`` tokens of
+    ``attention_mask`` (B, T) (``budget.row_chunks``: real tokens where the policy packs rows, else rows x T).
+    Every rank runs as many as the rank that needs most (ZeRO-3's gathers and DeepSpeed's backward are collective;
+    ``budget.same_count``). Without a token budget: ``micro_batch_size`` rows at a time, on every rank alike.
+    """
+    def plan(share: torch.Tensor) -> list[range]:
+        mask = attention_mask[share.to(attention_mask.device)]
+        return row_chunks(mask, config.micro_batch_size, config.max_tokens_per_forward, packed)
+
+    world = strategy.world_size
+    plans = [plan(shard(whole, rank, world)) for rank in range(world)]
+    mine = shard(whole, strategy.rank, world)
+    return [(mine[chunk.start:chunk.stop], counted) for chunk, counted in same_count(plans, strategy.rank)]
 
 
 def micro_batch_loss(

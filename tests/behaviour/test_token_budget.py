@@ -3,6 +3,8 @@ collection give what the row-only path gives, while the budget really splits bat
 
 from __future__ import annotations
 
+import copy
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,9 +15,16 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 from rlhf_core.config import GenerationConfig, PPOConfig, RewardTrainingConfig
 from rlhf_core.evaluation.annotators import ReplyPair, RewardModelJudge
 from rlhf_core.evaluation.policy_eval import rollout_kl
-from rlhf_core.models.budget import packs_scores, pair_chunks, row_chunks, token_chunks
+from rlhf_core.models.budget import (
+    packs_scores,
+    pair_chunks,
+    row_chunks,
+    same_count,
+    token_chunks,
+)
 from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import (
+    Critic,
     ValueHead,
     disable_dropout,
     freeze,
@@ -25,7 +34,10 @@ from rlhf_core.models.roles import (
 from rlhf_core.models.scoring import RewardModelScorer
 from rlhf_core.models.text import keep_tail, pad_id
 from rlhf_core.ppo.rewards import RunningMoments
+from rlhf_core.ppo.stats import UpdateStats
+from rlhf_core.training import ppo_step as ppo_step_module
 from rlhf_core.training.experience import PPOModels, collect_experience
+from rlhf_core.training.ppo_step import ppo_update, training_micro_batches
 from rlhf_core.training.reward_training import (
     PreferencePair,
     _micro_batches,
@@ -42,6 +54,9 @@ from tests.behaviour.test_model_families import (
     handmade_rollout,
     own_tokenizer,
 )
+from tests.behaviour.test_ppo_step import PROMPTS as STEP_PROMPTS
+from tests.behaviour.test_ppo_step import VOCAB as STEP_VOCAB
+from tests.behaviour.test_ppo_step import models as step_models
 from tests.model_families import save_policy, save_reward_model
 from tests.tiny_models import gpt2_config
 
@@ -178,3 +193,107 @@ def test_evaluation_kl_is_the_same_under_a_token_budget(tokenizer) -> None:
     assert whole[0].abs().min() > 1e-3
     for exact, chunked in zip(whole, budget, strict=True):
         torch.testing.assert_close(chunked, exact, atol=1e-6, rtol=0)
+
+
+def _ppo_update_models(value: str) -> PPOModels:
+    """test_ppo_step's tiny GPT-2 policy, nudged off its reference, with a value head or a GPT-2 critic."""
+    m = step_models()
+    with torch.no_grad():
+        for param in m.policy.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    if value == "critic":
+        torch.manual_seed(3)
+        m = replace(m, value_head=None,
+                    critic=Critic(GPT2ForSequenceClassification(gpt2_config(STEP_VOCAB, num_labels=1))))
+    return m
+
+
+def _update_config(mode: str, budget: int | None) -> PPOConfig:
+    return PPOConfig(rollout_batch_size=16, mini_batch_size=8, micro_batch_size=8, ppo_epochs=2, max_grad_norm=1e9,
+                     vf_coef=0.5, entropy_coef=0.01, loss_aggregation=mode, advantage="gae",
+                     max_tokens_per_forward=budget,
+                     generation=GenerationConfig(max_new_tokens=8, temperature=0.7, batch_size=16))
+
+
+def _sgd_ppo_update(m: PPOModels, experience, config: PPOConfig) -> tuple[dict[str, torch.Tensor], UpdateStats]:
+    params = [p for p in m.policy.parameters() if p.requires_grad] + m.value_parameters()
+    strategy = LocalStrategy(torch.optim.SGD(params, lr=0.1), None, config.max_grad_norm)
+    stats = ppo_update(m, None, None, experience, config, 0.1, torch.Generator().manual_seed(3), strategy)
+    weights = {f"policy.{k}": v.detach().clone() for k, v in m.policy.state_dict().items()}
+    weights.update({f"value.{k}": v.detach().clone() for k, v in m.value_model.state_dict().items()})
+    return weights, stats
+
+
+@pytest.mark.parametrize("value", ["head", "critic"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_ppo_training_micro_batches_under_a_token_budget_give_the_rows_only_update(mode: str, value: str) -> None:
+    """Two epochs of two 8-rollout mini-batches (GAE, value head or critic): at most 8 rollouts per forward, or at
+    most 32 tokens (1 to 3 rollouts, unequal within a mini-batch), give the same weights and the same UpdateStats."""
+    m = _ppo_update_models(value)
+    experience, *_ = collect_experience(m, STEP_PROMPTS, _update_config(mode, None), 0.1,
+                                        torch.Generator().manual_seed(0), RunningMoments())
+    one_process = SimpleNamespace(rank=0, world_size=1)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(3))
+    for half in (order[:8], order[8:]):
+        plan = training_micro_batches(half, experience.rollout.attention_mask, one_process,
+                                      _update_config(mode, 32), packed=supports_packing(m.policy))
+        sizes = [len(rows) for rows, counted in plan]
+        assert sum(sizes) == 8 and len(set(sizes)) > 1, sizes  # the budget really splits, unequally
+        assert torch.equal(torch.cat([rows for rows, _ in plan]), half)  # every row once, in order
+    start = {f"policy.{k}": v.clone() for k, v in m.policy.state_dict().items()}
+    rows_only, rows_stats = _sgd_ppo_update(copy.deepcopy(m), experience, _update_config(mode, None))
+    budget, budget_stats = _sgd_ppo_update(copy.deepcopy(m), experience, _update_config(mode, 32))
+    assert max(float((rows_only[k] - v).abs().max()) for k, v in start.items()) > 1e-3  # the weights moved
+    worst = max(float((budget[k] - rows_only[k]).abs().max()) for k in rows_only)
+    assert worst < 1e-6, f"{mode}, {value}: {worst}"
+    for name, expected in asdict(rows_stats).items():
+        assert getattr(budget_stats, name) == pytest.approx(expected, abs=1e-6), name
+
+
+def test_every_rank_runs_as_many_training_micro_batches() -> None:
+    """Two ranks, an 8-rollout mini-batch: rank 0's four short rows fit one 24-token forward, rank 1's four rows of
+    13 need four. Rank 0 splits its chunk into halves, then quarters (one row each): four forwards, all counted.
+    Equal shares always split far enough; a weight-0 repeat is for a share with fewer rows than another's chunks."""
+    lengths = [3, 3, 3, 3, 13, 13, 13, 13]
+    mask = torch.tensor([[i < n for i in range(13)] for n in lengths])
+    config = _update_config("token-mean", 24)
+    whole = torch.arange(8)
+    plans = [training_micro_batches(whole, mask, SimpleNamespace(rank=r, world_size=2), config, packed=True)
+             for r in range(2)]
+    assert [[(rows.tolist(), counted) for rows, counted in plan] for plan in plans] == [
+        [([0], True), ([1], True), ([2], True), ([3], True)],
+        [([4], True), ([5], True), ([6], True), ([7], True)],
+    ]
+    rows_only = [training_micro_batches(whole, mask, SimpleNamespace(rank=r, world_size=2),
+                                        replace(config, max_tokens_per_forward=None, micro_batch_size=2), packed=True)
+                 for r in range(2)]  # no budget: micro_batch_size rows at a time, as before the budget
+    assert [[(rows.tolist(), counted) for rows, counted in plan] for plan in rows_only] == [
+        [([0, 1], True), ([2, 3], True)], [([4, 5], True), ([6, 7], True)]]
+    assert same_count([[range(4)], [range(2), range(2, 3), range(3, 4)]], 0) == [
+        (range(1), True), (range(1, 2), True), (range(2, 4), True)]  # halves, then the first half again
+    # A one-row share cannot split: it repeats its row at weight 0 until it matches the rank with most forwards.
+    assert same_count([[range(1)], [range(1), range(1, 2), range(2, 3)]], 0) == [
+        (range(1), True), (range(1), False), (range(1), False)]
+    assert same_count([[range(1)], [range(1), range(1, 2), range(2, 3)]], 1) == [
+        (range(1), True), (range(1, 2), True), (range(2, 3), True)]
+
+
+def test_a_weight_0_repeat_changes_neither_the_update_nor_the_metrics(monkeypatch) -> None:
+    """Training micro-batches padded with a weight-0 repeat (what a rank does to match another's forward count)
+    give the weights and UpdateStats of the plain rows-only plan: its backward adds nothing, its metrics count
+    nothing."""
+    m = _ppo_update_models("head")
+    config = _update_config("token-mean", None)
+    experience, *_ = collect_experience(m, STEP_PROMPTS, config, 0.1, torch.Generator().manual_seed(0),
+                                        RunningMoments())
+    plain, plain_stats = _sgd_ppo_update(copy.deepcopy(m), experience, config)
+    planned = ppo_step_module.training_micro_batches
+
+    def with_repeats(*args, **kwargs):
+        parts = planned(*args, **kwargs)
+        return parts + [(parts[0][0][:1], False)] * 2
+
+    monkeypatch.setattr(ppo_step_module, "training_micro_batches", with_repeats)
+    repeated, repeated_stats = _sgd_ppo_update(copy.deepcopy(m), experience, config)
+    assert max(float((repeated[k] - plain[k]).abs().max()) for k in plain) == 0.0
+    assert asdict(repeated_stats) == asdict(plain_stats)

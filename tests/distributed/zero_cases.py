@@ -144,18 +144,26 @@ def ppo_models(value_model: str, make_strategy: Any = None, folder: Path | None 
     common = dict(policy=policy, reference=reference, scorer=CountSeven(), stop_token_ids=(EOS,), pad_token_id=PAD)
     if value_model in ("head", "lora"):
         return PPOModels(**common, value_head=ValueHead(32))
+    if folder is not None:  # the critic's own reward model, loaded as the worker loads it (ZeRO-3: partitioned)
+        saved = folder / "critic"
+        model, held = load_partitioned(make_strategy, lambda: GPT2ForSequenceClassification.from_pretrained(saved),
+                                       saved)
+        PARTITIONED.append(held)
+        return PPOModels(**common, critic=Critic(model, copy_weights=False))
     torch.manual_seed(1)
     return PPOModels(**common, critic=Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1))))
 
 
 PARTITIONED: list[dict[str, int]] = []
-"""What :func:`ppo_models` loading from a folder held of each policy right after loading, in order."""
+"""What :func:`ppo_models` loading from a folder held of each policy (and critic) right after loading, in order."""
 
 
 def build_experience(path: Path) -> None:
     """The rollout batch every run updates on, generated once in one process; the start policy and reward model
     also saved (``policy/``, ``rm/``) for the runs that load them as the stage's workers do."""
-    ppo_models("critic").policy.save_pretrained(path / "policy")
+    start = ppo_models("critic")
+    start.policy.save_pretrained(path / "policy")
+    start.critic.model.save_pretrained(path / "critic")
     rm_model().save_pretrained(path / "rm")
     for value_model in ("head", "critic", "lora"):
         experience, _, _, _ = collect_experience(ppo_models(value_model), PROMPTS, PPO_CONFIG, KL_COEF,

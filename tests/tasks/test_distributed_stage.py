@@ -250,10 +250,12 @@ def test_the_deepspeed_launcher_starts_the_workers_of_a_one_host_hostfile(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path: Path, zero: str) -> None:
-    """ZeRO-3: the workers load the policy partitioned and the reference on its own."""
+    """ZeRO-3 (with a critic): the workers load the policy and the critic's reward model partitioned, the reference
+    and the scorer whole, each on its own."""
     tokenizer = word_tokenizer()
     saved = save_ppo_inputs(tmp_path, PROMPTS)
-    config = pipeline_config(f"distributed.deepspeed_config={deepspeed_config(zero, tmp_path)}")
+    config = pipeline_config(f"distributed.deepspeed_config={deepspeed_config(zero, tmp_path)}",
+                             *(["ppo.value_model=critic"] if zero == "zero3" else []))
     cfg = ppo_iteration.Config.of(config, 1)
     inputs = {"reference_dir": saved["sft"], "reward_dir": saved["rm"], "prompts_file": saved["prompts"]}
 

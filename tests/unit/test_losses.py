@@ -116,6 +116,22 @@ def test_value_loss_clipped_branch_wins_alone():
     assert out.clipfrac.item() == 1.0
 
 
+def test_value_clipfrac_counts_only_where_the_clamp_binds():
+    """Inside the clip range V_old + (V - V_old) is V up to rounding: the rounding must not count as clipping."""
+    # tokens 0 and 1: |V - V_old| < 0.2, yet in float32 the "clipped" term comes out above the unclipped one
+    old = torch.tensor([[0.2168232500553131, -0.1893986016511917, 0.0, 0.0]])
+    values = torch.tensor([[0.04796845465898514, -0.002194436267018318, 0.1, 0.5]])  # token 3 moves past eps
+    returns = torch.tensor([[1.7656660079956055, -0.5454821586608887, 1.0, -3.0]])
+    mask = torch.ones_like(values, dtype=torch.bool)
+    clipped = old + torch.clamp(values - old, -0.2, 0.2)
+    assert ((clipped - returns) ** 2 > (values - returns) ** 2)[0, :2].all()  # what a plain comparison counts
+    # token 3: clipped (0.2 + 3)^2 = 10.24 < (0.5 + 3)^2 = 12.25, the unclipped term is taken: nothing clipped
+    assert value_loss(values, old, returns, mask, clip_range_value=0.2).clipfrac.item() == 0.0
+    # returns of token 3 at +3: clipped (0.2 - 3)^2 = 7.84 > (0.5 - 3)^2 = 6.25: 1 token of 4
+    returns[0, 3] = 3.0
+    assert value_loss(values, old, returns, mask, clip_range_value=0.2).clipfrac.item() == pytest.approx(0.25)
+
+
 def test_value_loss_without_clipping():
     values = VALUES.clone().requires_grad_(True)
     out = value_loss(values, OLD_VALUES, RETURNS, VMASK, clip_range_value=None)
