@@ -115,7 +115,7 @@ def resume_checkpoint(store: RunStore, artifact: Artifact) -> Path:
     """The final checkpoint of a ppo-iteration artifact, which the next iteration continues from; ResumeStateError
     in one line when ``ppo.keep_resume_states`` pruned it."""
     iteration = int(artifact.result["iteration"])
-    remedy = (f"redo the iterations from one whose state is kept (`rlhf stage ppo-iteration-1 RUN_ID` always can: "
+    remedy = (f"redo the iterations from one whose state is kept (`rlhf stage ppo-iteration-1 --run RUN_ID` always can: "
               f"iteration 1 starts from the SFT policy), with ppo.keep_resume_states high enough to keep iteration "
               f"{iteration}'s state")
     return store.resume_state(artifact, STAGE.result(artifact).checkpoint, remedy)

@@ -104,7 +104,7 @@ def test_redoing_an_iteration_whose_predecessors_state_was_pruned_refuses_in_one
     message = str(refused.value)
     assert "\n" not in message
     for part in (arts[0].identity(), "pruned", arts[2].identity(), "ppo.keep_resume_states=2",
-                 "rlhf stage ppo-iteration-1"):
+                 "rlhf stage ppo-iteration-1 --run RUN_ID"):
         assert part in message, part
     assert harness.active.stage("ppo-iteration-2").status == "failed"
 
