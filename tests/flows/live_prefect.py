@@ -149,6 +149,11 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
+RETRY_STATUSES = (429, 502, 503)
+RETRY_WAITS = (1.0, 2.0, 4.0, 8.0)
+"""Seconds between tries, as Prefect's client backs off (``PREFECT_CLIENT_MAX_RETRIES`` = 5 tries by default)."""
+
+
 class PrefectApi:
     """The few calls of a Prefect server's REST API (``.../api``) the tests need."""
 
@@ -159,18 +164,28 @@ class PrefectApi:
         self.http.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        response = self.http.post(path, json=body)
+        response = self._send("POST", path, json=body)
         response.raise_for_status()
         return response.json()
 
     def _get(self, path: str) -> Any:
-        response = self.http.get(path)
+        response = self._send("GET", path)
         response.raise_for_status()
         return response.json()
 
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request, retried on the statuses Prefect's own client retries (429, 502, 503): the server answers 503
+        when its database is busy (SQLite locked on a loaded machine) and rolls the request back."""
+        for wait in (*RETRY_WAITS, None):
+            response = self.http.request(method, path, **kwargs)
+            if response.status_code not in RETRY_STATUSES or wait is None:
+                return response
+            time.sleep(wait)
+        raise AssertionError("unreachable")
+
     def deployment(self, flow: str, name: str) -> dict[str, Any] | None:
         """The deployment ``flow/name``, or None while it does not exist."""
-        response = self.http.get(f"deployments/name/{flow}/{name}")
+        response = self._send("GET", f"deployments/name/{flow}/{name}")
         if response.status_code == 404:
             return None
         response.raise_for_status()
