@@ -195,16 +195,16 @@ def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase | None:
     if cfg.tokenizer is None:
         return None
     # imported only when asked for: loading models pulls in torch
-    from tasks.models import TOKENIZER_FILES
-    from tasks.models import load_tokenizer as load_policy_tokenizer
+    from tasks.models import TOKENIZER_FILES, tokenizer_of
     from tasks.runtime import local_model
 
     where = f"the tokenizer of {cfg.tokenizer!r} (sft.base_model, or `rlhf prep --tokenizer`)"
     try:
         folder = Path(local_model(cfg.tokenizer))
-        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = tokenizer_of(folder, cfg.tokens, "sft.tokens")
+        if tokenizer is None:
             raise OSError(f"{folder} holds none of {', '.join(TOKENIZER_FILES)}")
-        return load_policy_tokenizer(folder, cfg.tokens, "sft.tokens")
+        return tokenizer
     except (OSError, ValueError) as err:
         why = " ".join(str(err).split()) or type(err).__name__
         raise DataError(f"{where} cannot be loaded to count data-prep lengths in tokens ({why}); give a model folder "

@@ -34,12 +34,13 @@ def load_tokenizer(folder: str | Path, tokens: SpecialTokens = SpecialTokens(),
     return resolve_special_tokens(AutoTokenizer.from_pretrained(str(folder)), tokens, setting)
 
 
-def tokenizer_of(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
+def tokenizer_of(model_dir: str | Path, tokens: SpecialTokens = SpecialTokens(),
+                 setting: str = "tokens") -> PreTrainedTokenizerBase | None:
     """The tokenizer saved next to a model (:func:`load_tokenizer`), or None when the folder holds none."""
     folder = Path(model_dir)
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
-    return load_tokenizer(model_dir)
+    return load_tokenizer(model_dir, tokens, setting)
 
 
 def load_frozen_lm(runtime: Runtime, folder: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -70,8 +71,8 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     is left where ZeRO put it, the reference is loaded from disk on its own, not copied from it, and so is a
     critic's reward model, in the same block as the policy.
     """
-    device, dtype, lora = runtime.torch_device, runtime.torch_dtype, config.lora
-    with (policy_loading or _whole)(reference_dir) as partitioned:
+    device, dtype, lora, loading = runtime.torch_device, runtime.torch_dtype, config.lora, policy_loading or _whole
+    with loading(reference_dir) as partitioned:
         policy = load_policy(str(reference_dir), dtype)
     policy = policy if partitioned else policy.to(device)
     hidden_size = policy.config.hidden_size
@@ -90,7 +91,7 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     if config.value_model == "critic":
         check_critic(reward_model, tokenizer, rm_tokenizer)
         if partitioned:  # its own copy, loaded partitioned as the policy was: no rank holds the critic whole
-            with (policy_loading or _whole)(reward_dir):
+            with loading(reward_dir):
                 return PPOModels(**common, critic=Critic(load_reward_model(str(reward_dir), dtype), copy_weights=False))
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))

@@ -29,7 +29,6 @@ from prefect import Task, task
 from tasks import tracking
 from tasks.retries import retry_on_transient_io
 from tasks.run_store import ActiveRun, Artifact, RunStore, stage_key
-from tasks.run_store.layout import RESUME_STAGING
 from tasks.tracking import ModelRef, StageTracker
 
 if TYPE_CHECKING:
@@ -57,12 +56,9 @@ class StageContext:
     """'sft', 'ppo-iteration-2', ...: the stage's name in this run."""
     stage: str
     store: RunStore
-
-    @property
-    def resume(self) -> Path:
-        """Where compute leaves resume state for a later stage (a PPO iteration's last checkpoint): published beside
-        the artifact, outside its checksums, and prunable (``RunStore.resume_state`` reads it back)."""
-        return self.work / RESUME_STAGING
+    resume: Path
+    """Where compute leaves resume state for a later stage (a PPO iteration's last checkpoint): published beside
+    the artifact, outside its checksums, and prunable (``RunStore.resume_state`` reads it back)."""
 
     def scratch(self, kind: str, identity: Any) -> Path:
         """A folder that outlives this stage's attempts and keys, named by a digest of ``identity``: for what must
@@ -176,10 +172,10 @@ class Publication:
     def _reference(self, path: Path) -> tracking.ArtifactReference | None:
         """What a version registered by reference points at (``tracking.model_storage=reference``); None = upload
         the files (the default, and for a folder outside the artifact, which the state folder does not own)."""
-        if self.names.model_storage != "reference" or not path.resolve().is_relative_to(self.artifact.folder.resolve()):
+        folder, root = path.resolve(), self.artifact.folder.resolve()
+        if self.names.model_storage != "reference" or not folder.is_relative_to(root):
             return None
-        return tracking.ArtifactReference(self.artifact.identity(),
-                                          path.resolve().relative_to(self.artifact.folder.resolve()).as_posix())
+        return tracking.ArtifactReference(self.artifact.identity(), folder.relative_to(root).as_posix())
 
     def alias_version(self, name: str, alias: str) -> int | None:
         return tracking.get_alias_version(name, alias)
@@ -237,7 +233,7 @@ def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: 
         runner.run.stage_update(label, mlflow_run_id=mlflow_id)
         tracker = StageTracker(mlflow_id, runner.parent_run_id, claim.work / METRICS_LOG)
         result = stage.compute(cfg, inputs, StageContext(claim.staging, claim.work, tracker, label, stage.name,
-                                                                       runner.store))
+                                                         runner.store, claim.resume_staging))
         tracker.flush()
         if tracker.record.exists():
             tracker.record.rename(claim.staging / METRICS_LOG)

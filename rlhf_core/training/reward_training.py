@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_wins
-from rlhf_core.models.budget import pair_chunks, pair_lengths, packs_scores, split_to, token_chunks
+from rlhf_core.models.budget import pair_chunks, pair_lengths, packs_scores, same_count, token_chunks
 from rlhf_core.models.lora import add_training_adapter, merge_adapter
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
 from rlhf_core.models.families import score_prefix
@@ -320,19 +320,17 @@ def _micro_batches(data: EncodedPairs, batch: list[int], strategy: Strategy, con
                    packed: bool) -> list[tuple[list[int], bool]]:
     """This rank's share of ``batch`` as micro-batches ``(pair indices, counted)``, consecutive and in order.
 
-    Every rank runs as many as the rank that needs most (ZeRO-3's forwards are collective): a share splits further
-    (``budget.split_to``), and one too small to split that far repeats its first pair, not counted (weight 0).
+    Every rank runs as many as the rank that needs most (ZeRO-3's forwards are collective, ``budget.same_count``): a
+    share splits further, and one too small to split that far repeats its first pair, not counted (weight 0).
     """
     def plan(share: Sequence[int]) -> list[range]:
         lengths = pair_lengths([data.chosen[i] for i in share], [data.rejected[i] for i in share], packed)
         return token_chunks(lengths, config.micro_batch_size or len(share), config.max_tokens_per_forward, packed)
 
     world = strategy.world_size
+    plans = [plan(weighted_shard(batch, rank, world)[0]) for rank in range(world)]
     mine = weighted_shard(batch, strategy.rank, world)[0]
-    chunks = plan(mine)
-    count = max(len(plan(weighted_shard(batch, r, world)[0])) for r in range(world)) if world > 1 else len(chunks)
-    parts = [([mine[i] for i in chunk], True) for chunk in split_to(chunks, count)]
-    return parts + [([mine[0]], False)] * (count - len(parts))
+    return [([mine[i] for i in chunk], counted) for chunk, counted in same_count(plans, strategy.rank)]
 
 
 def _record_eval(
