@@ -92,13 +92,18 @@ class ModelsAtHand:
             self._models[folder, kind] = model
         return self._models[folder, kind]
 
+    def has_tokenizer(self, key: str) -> bool:
+        """Whether a tokenizer was saved with the model ``key`` names (:data:`TOKENIZER_FILES`)."""
+        folder = self.folders[key][1]
+        return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
     def vocabulary(self, key: str) -> dict[str, int] | None:
         """The token -> id map of the tokenizer saved with the model, or None when there is none to read (the stage
         that loads it says so)."""
         from transformers import AutoTokenizer
 
         folder = self.folders[key][1]
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        if not self.has_tokenizer(key):
             return None  # AutoTokenizer would make an empty tokenizer of the model's type, with a vocabulary of 1
         try:
             with _quiet_transformers():
@@ -220,6 +225,11 @@ def check_model_kinds(models: ModelsAtHand) -> None:
                 raise bad_value(key, value, models.origins, f"a policy must be a causal LM, but this loads as "
                                                             f"{type(policy).__name__}, whose attention sees later "
                                                             "tokens; use a decoder (GPT-2, Llama, Qwen, ...)")
+            if not models.has_tokenizer(key):
+                raise bad_value(key, value, models.origins, f"{models.folders[key][1]} holds no tokenizer (none of "
+                                                            f"{', '.join(TOKENIZER_FILES)}), which data-prep counts "
+                                                            "lengths with and every stage reads text with; save it "
+                                                            "next to the model (tokenizer.save_pretrained)")
         elif key in SCORER_KEYS:
             try:
                 models.build(key, "scorer")

@@ -21,6 +21,7 @@ from flows.pipeline import rlhf_pipeline
 from tasks.run_store import RunRecord, RunStore
 from tests.flows.live_prefect import (FINAL_STATES, PrefectApi, Processes, clean_env, rlhf, state_type,
                                       wait_for)
+from tests.tiny_models import word_tokenizer
 
 OVERRIDES = ["ppo.iterations=1", "refresh.enabled=false"]
 TIMEZONE = "Asia/Kolkata"
@@ -75,6 +76,7 @@ def test_a_schedule_for_a_work_pool_names_files_by_absolute_paths(tmp_path, monk
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # a hub id must be cached (checked before scheduling)
     snapshot = tmp_path / "hub" / "models--org--tiny-gpt2" / "snapshots" / ("0" * 40)
     GPT2Config(n_embd=32, n_layer=1, n_head=2).save_pretrained(snapshot)
+    word_tokenizer().save_pretrained(snapshot)  # a policy comes with its tokenizer (checked before scheduling too)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
     given = ["data.source=files", 'data.files=["pairs.jsonl"]', "refresh.enabled=false", "sft.base_model=org/tiny-gpt2"]

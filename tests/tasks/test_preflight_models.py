@@ -61,11 +61,12 @@ def save(folder: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerF
 
 
 def cache(repo_id: str, config: PretrainedConfig) -> None:
-    """``repo_id`` in the hub cache as huggingface_hub lays it out: refs/main names a snapshot holding the files."""
+    """``repo_id`` in the hub cache as huggingface_hub lays it out: refs/main names a snapshot holding the files
+    (the config and a tokenizer)."""
     repo = hub_cache() / f"models--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
-    save(repo / "snapshots" / COMMIT, config)
+    save(repo / "snapshots" / COMMIT, config, word_tokenizer())
 
 
 def refusal(*overrides: str) -> str:
@@ -185,7 +186,7 @@ def test_an_encoder_policy_is_refused(tmp_path: Path) -> None:
 
 def test_a_decoder_bert_is_a_causal_policy(tmp_path: Path) -> None:
     """BertLMHeadModel with is_decoder=True masks later tokens: its attention is causal, so it may be a policy."""
-    folder = save(tmp_path / "bert", bert(is_decoder=True))
+    folder = save(tmp_path / "bert", bert(is_decoder=True), word_tokenizer())
     assert accepted(f"sft.base_model={folder}").sft.base_model == folder
 
 
@@ -201,8 +202,15 @@ def test_decoder_policies_are_accepted(tmp_path: Path) -> None:
     llama = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                         vocab_size=100, max_position_embeddings=64)
     for name, config in (("gpt2", gpt2()), ("llama", llama)):
-        folder = save(tmp_path / name, config)
+        folder = save(tmp_path / name, config, word_tokenizer())
         assert accepted(f"sft.base_model={folder}").sft.base_model == folder
+
+
+def test_a_policy_saved_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
+    """data-prep counts lengths in the policy's tokens: a folder of weights alone fails at load, not in a stage."""
+    folder = save(tmp_path / "weights-only", gpt2())
+    message = refusal(f"sft.base_model={folder}")
+    assert "'sft.base_model'" in message and "holds no tokenizer" in message and "tokenizer.save_pretrained" in message
 
 
 @pytest.mark.parametrize("key", ["reward_model.init", "reward_model.heldout_init"])
