@@ -49,7 +49,9 @@ def build_summary(config: PipelineConfig, outcome: Outcome, record: RunRecord) -
         "status": last.status,
         "reasons": list(last.reasons),
         "promoted": bool(last.promote),
-        "iterations": [{"iteration": e.iteration, "status": e.status, **e.metrics} for e in evals],
+        "heldout_status": last.heldout_status,
+        "iterations": [{"iteration": e.iteration, "status": e.status, "heldout_status": e.heldout_status, **e.metrics}
+                       for e in evals],
         "best_of_n": [dict(point) for point in outcome.best_of_n.result["points"]],
         "refreshes": refreshes,
         "reward_model": dict(outcome.reward_model.result["metrics"]),

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from rlhf_core.ppo.aggregation import LossAggregation
 from rlhf_core.ppo.kl import KLEstimator
+from rlhf_core.ppo.rewards import EnsembleAggregation
 from rlhf_core.ranges import (ClipNorm, Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range,
                               check_ranges)
 
@@ -45,6 +46,10 @@ class KLConfig:
     estimator: KLEstimator = "k1"
     """Per-token KL estimator: k1 (TRL default), k2, k3, abs. In the loss k1 is refused: its gradient averages to
     zero, so the leash would silently vanish; use k3 (GRPO) or k2 there."""
+    clamp: Positive | None = 10.0
+    """Bound on the per-token estimate: its value is clamped to [-clamp, clamp] in the reward penalty and in the loss
+    term, where a clamped token gets no gradient (OpenRLHF: 10 for every estimator; verl: 10 for k3 only; TRL: none;
+    rlhf_core/ppo/kl.py). None = unclamped."""
     placement: Literal["reward", "loss"] = "reward"
     """'reward': -coef*kl in the per-token reward (InstructGPT); 'loss': coef*KL added to the loss (GRPO-style,
     aggregated like the other loss terms)."""
@@ -69,9 +74,16 @@ class RewardShapingConfig:
     missing_stop_penalty: float | None = None
     """If set, a response that ends without a stop token gets this score instead of the model's."""
     clip: Positive | None = None
-    """Clip scores to [-clip, clip] (OpenRLHF 10, DeepSpeed-Chat 5); None = off."""
+    """Clip scores to [-clip, clip] (OpenRLHF 10, DeepSpeed-Chat 5), after ``normalize`` when that is on (OpenRLHF
+    clips the normalised reward; PPO-max normalises, then clips); None = off."""
     normalize: bool = False
-    """Normalise scores with running mean/std across batches (mean shifted)."""
+    """Normalise scores with running mean/std across batches (mean shifted), before ``clip``."""
+    ensemble: EnsembleAggregation = "mean"
+    """How the members of a reward-model ensemble (``reward_model.ensemble_size`` > 1) make the score PPO optimises,
+    best-of-n picks by and evaluation reports as the proxy's (Coste et al. 2023): 'mean'; 'min' (worst case);
+    'mean_minus_std' (uncertainty-weighted: mean - ensemble_coef x the members' std). One member: its score."""
+    ensemble_coef: NonNegative = 1.0
+    """'mean_minus_std' only: the weight of the members' standard deviation."""
 
     def __post_init__(self) -> None:
         check_ranges(self, "reward")
@@ -154,11 +166,27 @@ class PPOConfig:
     grpo_scale_by_std: bool = True
     """'grpo': divide by the group's score std (the original GRPO); False = Dr. GRPO (no std division)."""
     loss_aggregation: LossAggregation = "token-mean"
-    """How per-token loss terms (policy, value, entropy, KL) become one loss over a mini-batch:
-    'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' (a constant normaliser, Dr. GRPO); see
-    rlhf_core/ppo/aggregation.py. Always over the whole mini-batch, so micro-batch size never changes the update."""
-    whiten_advantages: bool = True
-    """Whiten advantages over the rollout batch (mean shifted)."""
+    """How per-token loss terms (policy, value, entropy, KL) become one loss over a mini-batch, by verl's names:
+    'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' (each sequence's sum, averaged over sequences) or
+    'seq-mean-token-sum-norm' (a constant normaliser: TRL GRPO's 'dr_grpo'); see rlhf_core/ppo/aggregation.py.
+    Always over the whole mini-batch, so micro-batch size never changes the update."""
+    whiten_advantages: bool | None = None
+    """Whiten advantages over the rollout batch (mean shifted). None = the estimator's own rule, as its anchors do:
+    on for 'gae' and 'sequence' (TRL, verl) and 'reinforce_pp' (its baseline); off for 'grpo' and 'rloo', whose
+    group baseline is their only normalisation (verl, OpenRLHF; TRL RLOO's normalize_advantages defaults to off).
+    True or False overrides the rule (reinforce_pp refuses False)."""
+    dual_clip: Annotated[float, Range(gt=1, note="verl's clip_ratio_c is 3")] | None = None
+    """Dual-clip PPO (Ye et al. 2020): a token with a negative advantage contributes at most ``-A * dual_clip``,
+    however far its ratio ran (verl's clip_ratio_c, default 3 there; OpenRLHF's dual_clip, off by default).
+    None = off (TRL has none)."""
+    critic_warmup_updates: Count = 0
+    """The first this many PPO updates train only the value model: rollouts are sampled and scored as usual, the
+    policy is not stepped (a value head's loss does not reach the policy's weights). They count among the run's
+    updates, as OpenRLHF's critic.freezing_steps and verl's critic_warmup do. 0 = off; critic-free estimators
+    have nothing to warm up and refuse it."""
+    critic_lam: Fraction | None = None
+    """GAE lambda of the value model's targets (VC-PPO: 1.0, unbiased returns for the critic) while the advantages
+    keep ``lam``; None = ``lam`` for both (TRL, verl, OpenRLHF have one lambda). Only 'gae' reads it."""
     value_model: Literal["critic", "head"] = "head"
     """'critic': separate model initialised from the reward model; 'head': linear value head on the policy.
     Critic-free estimators build neither."""
@@ -207,7 +235,7 @@ class PPOConfig:
                 f"ppo.advantage={self.advantage} compares the replies to one prompt: set ppo.samples_per_prompt >= 2 "
                 f"(got {self.samples_per_prompt})"
             )
-        if self.advantage == "reinforce_pp" and not self.whiten_advantages:
+        if self.advantage == "reinforce_pp" and self.whiten_advantages is False:
             raise ValueError("ppo.advantage=reinforce_pp whitens its returns over the batch (that is its baseline); "
                              "set ppo.whiten_advantages=true")
         if self.rollout_batch_size % self.mini_batch_size:
@@ -225,11 +253,24 @@ class PPOConfig:
             raise ValueError(f"ppo.max_tokens_per_forward={self.max_tokens_per_forward} cannot hold one rollout of "
                              f"a prompt token and ppo.generation.max_new_tokens={self.generation.max_new_tokens}; "
                              f"raise it to at least {longest_reply} (prompt lengths on top)")
-        if self.whiten_advantages and self.rollout_batch_size < 8:
+        if self.whitens and self.rollout_batch_size < 8:
             raise ValueError(
-                "ppo.whiten_advantages needs ppo.rollout_batch_size >= 8 (whitening a tiny batch is noise); "
-                "raise the batch size or set whiten_advantages=False"
+                f"ppo.whiten_advantages (on for ppo.advantage={self.advantage}) needs ppo.rollout_batch_size >= 8 "
+                "(whitening a tiny batch is noise); raise the batch size or set ppo.whiten_advantages=false"
             )
+        if self.critic_warmup_updates and not self.uses_value_model:
+            raise ValueError(f"ppo.critic_warmup_updates={self.critic_warmup_updates} warms up a value model, which "
+                             f"ppo.advantage={self.advantage} does not have; set it to 0")
+        if self.critic_lam is not None and self.advantage != "gae":
+            raise ValueError(f"ppo.critic_lam is the GAE lambda of the value targets; ppo.advantage={self.advantage} "
+                             "computes no GAE: drop it or set ppo.advantage=gae")
+
+    @property
+    def whitens(self) -> bool:
+        """Whether advantages are whitened over the batch: ``whiten_advantages``, or the estimator's rule when None."""
+        if self.whiten_advantages is not None:
+            return self.whiten_advantages
+        return self.advantage not in ("grpo", "rloo")
 
     @property
     def uses_value_model(self) -> bool:

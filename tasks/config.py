@@ -103,6 +103,17 @@ class RewardModelSection:
     """Training of the proxy reward model (on the train pairs)."""
     heldout: RewardTrainingConfig = field(default_factory=lambda: RewardTrainingConfig(seed=1))
     """Training of the held-out reward model (on the held-out pairs; a different seed by default)."""
+    heldout_onpolicy_pairs: Count = 0
+    """Pairs of the SFT policy's own replies (two samples of ``ppo.generation`` per prompt, prompts drawn from the
+    preference pairs') that the simulated annotator labels, with the preference data's noise, and the held-out reward
+    model trains on beside the held-out pairs: labels on the replies a policy writes (garbled sentences, order
+    numbers it made up), which composed preference pairs never show, so the held-out judge can see a policy exploit
+    what the proxy cannot tell. The demo task only (its simulated annotator); 0 = none."""
+    ensemble_size: PositiveInt = 1
+    """Proxy reward models trained (an ensemble, Coste et al. 2023): member k is trained as ``training`` says with
+    seed ``training.seed + k`` (its own fresh head and data order), each a whole model, and they are registered
+    together as one version; PPO, best-of-n and evaluation score with ``ppo.reward.ensemble`` over them. 1 = one
+    proxy, as without an ensemble."""
 
     def __post_init__(self) -> None:
         for key, value in (("init", self.init), ("heldout_init", self.heldout_init)):
@@ -192,7 +203,8 @@ class RefreshSection:
     every_k: Annotated[int, Range(ge=0, note='0 = only when eval flags reward hacking')] = 0
     """Refresh on a schedule every k iterations (0 = only when eval flags reward hacking)."""
     on_hacking: bool = True
-    """Refresh whenever heldout-eval flags reward hacking."""
+    """Refresh whenever heldout-eval's held-out verdict flags reward hacking (the held-out reward model's fall; gold,
+    where the task has it, only evaluates and never decides what trains next)."""
     annotator: Literal["simulated", "file", "rm_judge"] = "simulated"
     """Who labels fresh pairs: 'simulated' is the demo task's annotator, the human stand-in (needs
     data.source='demo'); 'file' exports the pairs for people to label and imports ``labels_file``;
@@ -374,6 +386,9 @@ class PipelineConfig:
             raise ValueError("refresh.enabled with refresh.annotator='simulated' needs data.source='demo' (the "
                              "simulated annotator knows only the demo task). Set refresh.annotator to 'file' or "
                              "'rm_judge', or refresh.enabled=false")
+        if self.reward_model.heldout_onpolicy_pairs and self.data.source != "demo":
+            raise ValueError("reward_model.heldout_onpolicy_pairs needs data.source='demo' (the simulated annotator labels "
+                             "them); with your own data, set it to 0")
         if self.sft.base_model is None:
             size = self.sft.model_size
             positions = (model_size(size) if isinstance(size, str) else size).n_positions

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from rlhf_core.data import Column, DType, TableSchema
 from rlhf_core.demo import gold_score
-from rlhf_core.evaluation.metrics import HackingRules, HackingVerdict, IterationEval, detect_reward_hacking
+from rlhf_core.evaluation.metrics import HackingRules, HackingVerdict, IterationEval, Judge, detect_reward_hacking
 from rlhf_core.evaluation.policy_eval import ReplySet, comparison_metrics, sample_and_judge, with_scores
+from rlhf_core.models.scoring import EnsembleDisagreement, EnsembleScorer
 from rlhf_core.models.text import encode_prompt, same_vocabulary
 from tasks.config import PipelineConfig
 from tasks.io import write_json, write_parquet
@@ -40,10 +41,13 @@ CHAMPION = "champion"
 SAMPLES_FILE, METRICS_FILE, REASONS_FILE = "eval_samples.parquet", "eval_metrics.json", "eval_reasons.txt"
 PLOTS = ("plots/eval_scores.png", "plots/eval_lengths.png", "plots/eval_overoptimisation.png")
 STATUS_TAG = "eval.status"
+HELDOUT_STATUS_TAG = "eval.heldout_status"
 #: What the pipeline's parent run carries per iteration (step = iteration), so compared runs line up on them.
 HEADLINE = ("eval/proxy/mean", "eval/heldout/mean", "eval/gold/mean", "eval/kl/mean", "eval/win_rate/gold",
             "eval/win_rate/heldout", "eval/length/mean", "eval/reference/proxy/mean", "eval/reference/heldout/mean",
-            "eval/reference/gold/mean")
+            "eval/reference/gold/mean", "eval/proxy_disagreement/mean")
+DISAGREEMENT = "proxy_disagreement"
+"""With a proxy ensemble: ``eval/proxy_disagreement/mean`` is the mean over replies of its members' score std."""
 #: ``eval/hacking`` metric value of each verdict.
 HACKING_CODES = {"ok": 0, "warn": 1, "hacking": 2}
 
@@ -115,6 +119,9 @@ class Result:
     reasons: list[str]
     """One sentence per finding, plus why the policy is not to be promoted (if it is not)."""
     promote: bool
+    heldout_status: str = "ok"
+    """The same verdict with the held-out reward model as the only judge (gold never counts): what triggers an
+    rm-refresh and what ``rlhf sweep`` selects by, since gold may only evaluate."""
     samples: str = SAMPLES_FILE
     metrics_file: str = METRICS_FILE
     reasons_file: str = REASONS_FILE
@@ -128,21 +135,24 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     policy, reference = judge_replies(cfg.judging, prompts, inputs)
     metrics = {"eval/iteration": float(cfg.iteration), "eval/rm_generation": float(cfg.rm_generation),
                **comparison_metrics(policy, reference)}
+    metrics.pop(f"eval/win_rate/{DISAGREEMENT}", None)  # a spread, not a judge
     history = [earlier.result["metrics"] for earlier in inputs.earlier]
     same_rm = [h for h in history if int(h.get("eval/rm_generation", 0)) == cfg.rm_generation]
     verdict = hacking_verdict(cfg.rules, metrics, same_rm)
+    heldout_verdict = hacking_verdict(cfg.rules, metrics, same_rm, judge="heldout")
     refusal = promotion_refusal(verdict, metrics, cfg.min_win_rate)
     reasons = [*verdict.reasons, *([refusal] if refusal else [])]
     metrics["eval/hacking"] = float(HACKING_CODES[verdict.status])
+    metrics["eval/hacking_heldout"] = float(HACKING_CODES[heldout_verdict.status])
     metrics["eval/promoted"] = float(refusal is None)
     write_samples(prompts, policy, reference, ctx.out / SAMPLES_FILE)
     json_safe = {k: (None if math.isnan(v) else v) for k, v in metrics.items()}
-    write_json({"iteration": cfg.iteration, "status": verdict.status, "reasons": reasons, "metrics": json_safe},
-               ctx.out / METRICS_FILE)
+    write_json({"iteration": cfg.iteration, "status": verdict.status, "heldout_status": heldout_verdict.status,
+                "reasons": reasons, "metrics": json_safe}, ctx.out / METRICS_FILE)
     (ctx.out / REASONS_FILE).write_text("\n".join(reasons) + "\n" if reasons else "no findings\n", encoding="utf-8")
     _plots(policy, reference, metrics, history, cfg.iteration, ctx.out, baseline)
     log.info("heldout-eval %d: %s%s", cfg.iteration, verdict.status, f" ({'; '.join(reasons)})" if reasons else "")
-    return Result(cfg.iteration, metrics, verdict.status, reasons, refusal is None)
+    return Result(cfg.iteration, metrics, verdict.status, reasons, refusal is None, heldout_status=heldout_verdict.status)
 
 
 def judge_replies(judging: Judging, prompts: Sequence[str], inputs: Inputs) -> tuple[ReplySet, ReplySet]:
@@ -156,6 +166,8 @@ def judge_replies(judging: Judging, prompts: Sequence[str], inputs: Inputs) -> t
         raise ValueError(f"policy {inputs.policy.path} and reference {inputs.reference.path} have different "
                          "vocabularies; KL needs both on the same tokens: use the policy's SFT model as the reference")
     scorers = judging.scorers(inputs.proxy, inputs.heldout, tokenizer)
+    if isinstance(scorers["proxy"], EnsembleScorer):  # how far the proxy's members disagree on these replies
+        scorers[DISAGREEMENT] = EnsembleDisagreement(scorers["proxy"])
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     replies = sample_and_judge(policy, reference, tokenizer, prompt_ids, judging.sampling(policy, prompt_ids),
                                scorers, judging.seed, judging.max_tokens_per_forward)
@@ -183,11 +195,12 @@ def iteration_eval(metrics: Mapping[str, float], prefix: str = "eval", kl: float
 
 
 def hacking_verdict(rules: HackingRules, metrics: Mapping[str, float],
-                    history: Sequence[Mapping[str, float]]) -> HackingVerdict:
-    """Verdict over [reference baseline, *history, this iteration] (oldest first)."""
+                    history: Sequence[Mapping[str, float]], judge: Judge = "gold") -> HackingVerdict:
+    """Verdict over [reference baseline, *history, this iteration] (oldest first); ``judge='heldout'``: the held-out
+    reward model's fall, never gold's."""
     evals = [iteration_eval(metrics, "eval/reference", kl=0.0), *map(iteration_eval, history),
              iteration_eval(metrics)]
-    return detect_reward_hacking(evals, rules)
+    return detect_reward_hacking(evals, rules, judge)
 
 
 def promotion_refusal(verdict: HackingVerdict, metrics: Mapping[str, float], min_win_rate: float) -> str | None:
@@ -266,9 +279,10 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     result = STAGE.result(artifact)
     pub.log_params(flatten_for_params(cfg))
     pub.log_metrics(result.metrics, step=cfg.iteration)
-    pub.set_tags({STATUS_TAG: result.status})
+    pub.set_tags({STATUS_TAG: result.status, HELDOUT_STATUS_TAG: result.heldout_status})
     pub.log_headline({k: result.metrics[k] for k in HEADLINE if k in result.metrics}, step=cfg.iteration,
-                     tags={STATUS_TAG: result.status, "eval.iteration": cfg.iteration})
+                     tags={STATUS_TAG: result.status, HELDOUT_STATUS_TAG: result.heldout_status,
+                           "eval.iteration": cfg.iteration})
     pub.log_files([result.samples, result.metrics_file, result.reasons_file], "eval")
     pub.log_files(result.plots, "plots")
     policy = pub.registered_input("policy", "policy")

@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.policy_eval import evaluation_generation, fit_max_new_tokens
-from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.scoring import Scorer
+from rlhf_core.ppo.rewards import EnsembleAggregation
 from tasks.config import PipelineConfig
 from tasks.io import read_prompts
 from tasks.models import reward_scorer
@@ -46,14 +47,20 @@ class Judging:
     """``reward_model.heldout.max_length``."""
     gold: bool
     """The demo task: score with the hidden gold scorer too."""
+    proxy_ensemble: EnsembleAggregation = "mean"
+    """How a proxy ensemble's members make its score (``ppo.reward.ensemble``: the score PPO optimises; a single
+    proxy's score is its own whatever it says)."""
+    proxy_ensemble_coef: float = 1.0
+    """``ppo.reward.ensemble_coef`` ('mean_minus_std' only)."""
 
     @classmethod
     def of(cls, config: PipelineConfig) -> Judging:
-        ev = config.eval
+        ev, shaping = config.eval, config.ppo.reward
         return cls(Runtime.of(config), config.seed, ev.n_prompts, ev.temperature, ev.batch_size,
                    ev.max_tokens_per_forward, config.ppo.generation,
                    config.reward_model.training.max_length, config.reward_model.heldout.max_length,
-                   config.data.source == "demo")
+                   config.data.source == "demo", shaping.ensemble,
+                   shaping.ensemble_coef if shaping.ensemble == "mean_minus_std" else 1.0)
 
     def sampling(self, model: PreTrainedModel, prompt_ids: list[list[int]],
                  temperature: float | None = None) -> GenerationConfig:
@@ -63,10 +70,10 @@ class Judging:
         return evaluation_generation(self.generation, chosen, self.batch_size, budget)
 
     def scorers(self, proxy: ModelInput, heldout: ModelInput,
-                tokenizer: PreTrainedTokenizerBase) -> dict[str, RewardModelScorer]:
+                tokenizer: PreTrainedTokenizerBase) -> dict[str, Scorer]:
         """The proxy and held-out reward models as scorers of replies in the policy's tokens."""
         return {"proxy": reward_scorer(self.runtime, proxy.path, tokenizer, self.proxy_max_length, self.batch_size,
-                                       self.max_tokens_per_forward),
+                                       self.max_tokens_per_forward, self.proxy_ensemble, self.proxy_ensemble_coef),
                 "heldout": reward_scorer(self.runtime, heldout.path, tokenizer, self.heldout_max_length,
                                          self.batch_size, self.max_tokens_per_forward)}
 

@@ -7,6 +7,7 @@ the evaluation stages, the four PPO roles for ppo-iteration and its workers, and
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from rlhf_core.models import families
 from rlhf_core.models.lora import LoRACritic, lora_policy
 from rlhf_core.models.roles import (Critic, ValueHead, freeze, load_policy, load_reward_model, make_reference,
                                     split_classifier)
-from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.scoring import EnsembleScorer, RewardModelScorer, Scorer
 from rlhf_core.models.text import encode_prompt, pad_id, same_vocabulary
+from rlhf_core.ppo.rewards import EnsembleAggregation
 from rlhf_core.models.tokenizer import SpecialTokens, resolve_special_tokens
 from rlhf_core.training.experience import PPOModels
 from tasks.runtime import Runtime
@@ -49,12 +51,55 @@ def load_frozen_lm(runtime: Runtime, folder: str | Path) -> tuple[PreTrainedMode
     return freeze(model), tokenizer_of(folder)
 
 
+ENSEMBLE_FILE = "ensemble.json"
+"""In a reward-model folder that holds an ensemble: the member folders, in order (``{"members": ["member-0", ...]}``)."""
+
+
+def save_ensemble(folder: Path, members: Sequence[tuple[PreTrainedModel, PreTrainedTokenizerBase]]) -> None:
+    """One reward model saved as it is (``save_pretrained``: model + tokenizer), or several as an ensemble: each in
+    ``member-<k>/`` and ``ensemble.json`` naming them. Either way ``folder`` is one model to register and load."""
+    if len(members) == 1:
+        model, tokenizer = members[0]
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return
+    names = [f"member-{k}" for k in range(len(members))]
+    for name, (model, tokenizer) in zip(names, members, strict=True):
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+    (folder / ENSEMBLE_FILE).write_text(json.dumps({"members": names}) + "\n", encoding="utf-8")
+
+
+def reward_members(folder: str | Path) -> list[Path]:
+    """The model folders of a reward-model folder: the folder itself, or each member of an ensemble."""
+    folder = Path(folder)
+    listing = folder / ENSEMBLE_FILE
+    if not listing.is_file():
+        return [folder]
+    names = json.loads(listing.read_text(encoding="utf-8"))["members"]
+    return [folder / name for name in names]
+
+
 def reward_scorer(runtime: Runtime, folder: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                  batch_size: int, max_tokens: int | None = None) -> RewardModelScorer:
+                  batch_size: int, max_tokens: int | None = None, ensemble: EnsembleAggregation = "mean",
+                  ensemble_coef: float = 1.0) -> Scorer:
     """A frozen reward model as a scorer of policy rollouts (re-tokenizing when its tokenizer differs), ``batch_size``
-    rows and at most ``max_tokens`` tokens per forward."""
-    model = load_reward_model(str(folder), runtime.torch_dtype).to(runtime.torch_device)
-    return RewardModelScorer(freeze(model), tokenizer, tokenizer_of(folder), max_length, batch_size, max_tokens)
+    rows and at most ``max_tokens`` tokens per forward; an ensemble as one scorer of its members' scores aggregated
+    by ``ensemble`` (``ppo.reward.ensemble``, ``ensemble_coef``)."""
+    scorers = []
+    for member in reward_members(folder):
+        model = load_reward_model(str(member), runtime.torch_dtype).to(runtime.torch_device)
+        scorers.append(RewardModelScorer(freeze(model), tokenizer, tokenizer_of(member), max_length, batch_size,
+                                         max_tokens))
+    return ensemble_of(scorers, ensemble, ensemble_coef)
+
+
+def ensemble_of(scorers: Sequence[RewardModelScorer], ensemble: EnsembleAggregation = "mean",
+                ensemble_coef: float = 1.0) -> Scorer:
+    """The scorer itself when there is one, else their :class:`EnsembleScorer` (``ppo.reward.ensemble``)."""
+    if len(scorers) == 1:
+        return scorers[0]
+    return EnsembleScorer(scorers, ensemble, ensemble_coef)
 
 
 def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_dir: str | Path,
@@ -76,10 +121,13 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
         policy = load_policy(str(reference_dir), dtype)
     policy = policy if partitioned else policy.to(device)
     hidden_size = policy.config.hidden_size
-    reward_model = load_reward_model(str(reward_dir), dtype).to(device)
-    rm_tokenizer = load_tokenizer(reward_dir)
-    scorer = RewardModelScorer(reward_model, tokenizer, rm_tokenizer, batch_size=config.micro_batch_size,
-                               max_tokens=config.max_tokens_per_forward)
+    members = reward_members(reward_dir)
+    scorers = [RewardModelScorer(load_reward_model(str(member), dtype).to(device), tokenizer, load_tokenizer(member),
+                                 batch_size=config.micro_batch_size, max_tokens=config.max_tokens_per_forward)
+               for member in members]
+    scorer = ensemble_of(scorers, config.reward.ensemble, config.reward.ensemble_coef)
+    # a critic starts from the (first) reward model
+    reward_model, rm_tokenizer, critic_dir = scorers[0].model, scorers[0].rm_tokenizer, members[0]
     if partitioned:  # ZeRO-3 refuses LoRA (frozen weights in a trained model); the copy would copy only shards
         reference = freeze(load_policy(str(reference_dir), dtype).to(device))
     else:
@@ -91,8 +139,8 @@ def build_ppo_models(config: PPOConfig, runtime: Runtime, seed: int, reference_d
     if config.value_model == "critic":
         check_critic(reward_model, tokenizer, rm_tokenizer)
         if partitioned:  # its own copy, loaded partitioned as the policy was: no rank holds the critic whole
-            with loading(reward_dir):
-                return PPOModels(**common, critic=Critic(load_reward_model(str(reward_dir), dtype), copy_weights=False))
+            with loading(critic_dir):
+                return PPOModels(**common, critic=Critic(load_reward_model(str(critic_dir), dtype), copy_weights=False))
         critic = LoRACritic(reward_model, lora, seed) if lora.enabled else Critic(reward_model)
         return PPOModels(**common, critic=critic.to(device))
     return PPOModels(**common, value_head=ValueHead(hidden_size, seed=seed).to(device))

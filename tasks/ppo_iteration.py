@@ -73,8 +73,9 @@ class Config:
     def of(cls, config: PipelineConfig, iteration: int) -> Config:
         section = config.ppo
         total = section.total_updates if section.lr_schedule == "linear" else iteration * section.updates_per_iteration
-        core = PPOConfig(**{f.name: getattr(section, f.name) for f in fields(PPOConfig) if f.name != "total_updates"},
-                         total_updates=total)
+        settings = {f.name: getattr(section, f.name) for f in fields(PPOConfig) if f.name != "total_updates"}
+        # The estimator's whitening rule resolved: the default and the same choice made explicit share one key.
+        core = PPOConfig(**{**settings, "whiten_advantages": section.whitens}, total_updates=total)
         distributed = config.distributed if config.distributed.runs(NAME) else None
         return cls(core, section.updates_per_iteration, section.checkpoint_every, Runtime.of(config), config.seed,
                    iteration, distributed, section.keep_resume_states)

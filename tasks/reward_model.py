@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,18 +22,23 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import RewardTrainingConfig
+from rlhf_core.config import GenerationConfig, RewardTrainingConfig
+from rlhf_core.data import PREFERENCE_PAIRS
+from rlhf_core.data.split import pair_id
+from rlhf_core.demo.annotator import SimulatedAnnotator
+from rlhf_core.evaluation.annotators import sample_reply_pairs
 from rlhf_core.evaluation.metrics import pairwise_agreement, spearman
 from rlhf_core.models.lm import ModelSize, build_reward_model, config_for_tokenizer
 from rlhf_core.models.families import config_positions, describe, score_prefix
 from rlhf_core.models.roles import init_reward_model
 from rlhf_core.models.text import pad_id
 from rlhf_core.models.tokenizer import SpecialTokens
+from rlhf_core.training.refresh import refresh_seed
 from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs, score_pairs
 from tasks.config import DistributedSection, PipelineConfig, RewardModelSection
-from tasks.io import read_pairs, write_json
+from tasks.io import read_pairs, write_json, write_parquet
 from tasks.launch import fit_reward_model
-from tasks.models import load_tokenizer
+from tasks.models import load_frozen_lm, load_tokenizer, save_ensemble
 from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
@@ -44,6 +50,10 @@ log = logging.getLogger(__name__)
 NAME = "reward-model"
 ROLES = ("proxy", "heldout")
 METRICS_FILE = "metrics.json"
+ONPOLICY_FILE = "heldout_onpolicy_pairs.parquet"
+ONPOLICY_BATCH_ROWS = 256
+"""Replies the SFT policy samples at once for the held-out RM's on-policy pairs (a demo-sized model; thousands of
+replies): fewer, wider decoding loops than PPO's rollout batches."""
 SCORES_PNG = "rm_proxy_heldout_scores.png"
 MAX_CROSS_EVAL_PAIRS = 1000
 """The held-out RM is evaluated on at most this many train pairs (a seeded sample): enough for a stable
@@ -52,6 +62,18 @@ EVALS_PER_TRAINING = 4
 """Evaluations during each training (plus the final one): the points of the eval line on the loss plot."""
 FLUSH_EVERY = 10
 """Per-step metrics go to MLflow in one batch every this many steps."""
+
+
+@dataclass(frozen=True)
+class OnPolicyLabels:
+    """How the held-out reward model's on-policy pairs are sampled and labelled (``reward_model.heldout_onpolicy_pairs``)."""
+
+    n_pairs: int
+    generation: GenerationConfig
+    """``ppo.generation`` with ``ONPOLICY_BATCH_ROWS`` rows at once: the SFT policy samples as PPO will."""
+    annotator_temperature: float
+    """``data.demo.annotator_temperature``: the preference data's label noise."""
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -65,12 +87,18 @@ class Config:
     """Shape of a reward model built from scratch (``sft.model_size``; only when an init is 'scratch')."""
     distributed: DistributedSection | None = None
     """DeepSpeed workers for the training (None: in this process)."""
+    heldout_onpolicy: OnPolicyLabels | None = None
+    """Labelled pairs of the SFT policy's replies for the held-out RM (None: none)."""
 
     @classmethod
     def of(cls, config: PipelineConfig) -> Config:
         section = config.reward_model
+        onpolicy = (OnPolicyLabels(section.heldout_onpolicy_pairs,
+                                   replace(config.ppo.generation, batch_size=ONPOLICY_BATCH_ROWS),
+                                   config.data.demo.annotator_temperature, config.seed)
+                    if section.heldout_onpolicy_pairs else None)
         return cls(section, Runtime.of(config), config.sft.model_size if "scratch" in section.inits else None,
-                   config.distributed if config.distributed.runs(NAME) else None)
+                   config.distributed if config.distributed.runs(NAME) else None, onpolicy)
 
 
 @dataclass(frozen=True)
@@ -78,11 +106,13 @@ class Inputs:
     data: Artifact
     """data-prep: train and held-out pairs."""
     sft: ModelInput | None
-    """The SFT policy: backbone ('sft') or tokenizer and shape ('scratch'); None when neither init uses it."""
+    """The SFT policy: backbone ('sft'), tokenizer and shape ('scratch'), the replies of the held-out RM's on-policy
+    pairs; None when nothing uses it."""
 
     @classmethod
     def of(cls, cfg: Config, data: Artifact, sft: ModelInput) -> Inputs:
-        return cls(data, sft if {"sft", "scratch"} & set(cfg.reward_model.inits) else None)
+        needed = {"sft", "scratch"} & set(cfg.reward_model.inits) or cfg.heldout_onpolicy is not None
+        return cls(data, sft if needed else None)
 
 
 @dataclass(frozen=True)
@@ -106,6 +136,7 @@ def model_input(artifact: Artifact, role: str) -> ModelInput:
 
 @dataclass(frozen=True)
 class _Fitted:
+    role: str
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     training: RewardTrainingConfig
@@ -124,19 +155,55 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     train, heldout = read_pairs(data.path(data.result["train_pairs"])), read_pairs(data.path(data.result["heldout_pairs"]))
     cross_sample = _sample(train, MAX_CROSS_EVAL_PAIRS, section.heldout.seed)
     ctx.tracker.flush_every = FLUSH_EVERY
-    proxy = _fit("proxy", inputs.sft, train, heldout, cfg, ctx)
-    held = _fit("heldout", inputs.sft, heldout, cross_sample, cfg, ctx)
-    cross, proxy_scores = _cross_metrics(proxy, held, heldout)
-    metrics = {**proxy.metrics, **held.metrics, **cross}
-    plots = _plots(ctx.out, proxy.history, held.history, proxy_scores)
-    for role, fitted in (("proxy", proxy), ("heldout", held)):
-        fitted.model.save_pretrained(ctx.out / role)
-        fitted.tokenizer.save_pretrained(ctx.out / role)
+    members = [_fit(member_role(k), inputs.sft, train, heldout, cfg, ctx) for k in range(section.ensemble_size)]
+    onpolicy = _onpolicy_pairs(cfg, inputs, [*train, *heldout], ctx.out / ONPOLICY_FILE)
+    held = _fit("heldout", inputs.sft, [*heldout, *onpolicy], cross_sample, cfg, ctx)
+    *proxy_scores, ensemble = proxy_pair_scores(members, heldout)
+    cross, proxy_scores = _cross_metrics(tuple(proxy_scores), held, heldout)
+    metrics = {k: v for member in members for k, v in member.metrics.items()}
+    metrics |= {**ensemble, **held.metrics, **cross}
+    plots = _plots(ctx.out, members[0].history, held.history, proxy_scores)
+    save_ensemble(ctx.out / "proxy", [(m.model, m.tokenizer) for m in members])
+    save_ensemble(ctx.out / "heldout", [(held.model, held.tokenizer)])
     write_json({"metrics": metrics}, ctx.out / METRICS_FILE)
-    log.info("reward-model: proxy held-out accuracy %.3f, held-out RM accuracy %.3f on train pairs",
-             metrics["rm/proxy/eval/accuracy"], metrics["rm/heldout/eval/accuracy"])
-    counts = {"n_train_pairs": len(train), "n_heldout_pairs": len(heldout), "n_cross_eval_pairs": len(cross_sample)}
+    log.info("reward-model: proxy held-out accuracy %.3f%s, held-out RM accuracy %.3f on train pairs",
+             metrics["rm/proxy/eval/accuracy"],
+             f" ({len(members)} members; each {', '.join(format(m.metrics[f'rm/{m.role}/eval/accuracy'], '.3f') for m in members)})"
+             if len(members) > 1 else "", metrics["rm/heldout/eval/accuracy"])
+    counts = {"n_train_pairs": len(train), "n_heldout_pairs": len(heldout), "n_cross_eval_pairs": len(cross_sample),
+              **({"n_heldout_onpolicy_pairs": len(onpolicy)} if cfg.heldout_onpolicy else {})}
     return Result("proxy", "heldout", metrics, plots, METRICS_FILE, counts)
+
+
+def _onpolicy_pairs(cfg: Config, inputs: Inputs, pairs: Sequence[PreferencePair], path: Path) -> list[PreferencePair]:
+    """The held-out RM's on-policy pairs (none unless ``reward_model.heldout_onpolicy_pairs``): two replies of the SFT
+    policy to each of that many prompts drawn from ``pairs``' prompts, labelled by the simulated annotator with the
+    preference data's noise (a pair of identical or empty replies is dropped: there is nothing to prefer), written to
+    ``path`` for people to read."""
+    spec = cfg.heldout_onpolicy
+    if spec is None:
+        return []
+    prompts = list(dict.fromkeys(pair.prompt for pair in pairs))
+    seed = refresh_seed(spec.seed, 0)  # iteration 0: the SFT policy; refreshes draw from iterations 1, 2, ...
+    rng = random.Random(f"heldout-onpolicy:{seed}")
+    drawn = [rng.choice(prompts) for _ in range(spec.n_pairs)]
+    policy, tokenizer = load_frozen_lm(cfg.runtime, inputs.sft.path)
+    started = time.monotonic()
+    sampled = [p for p in sample_reply_pairs(policy, tokenizer, drawn, spec.generation, seed)
+               if p.reply_a != p.reply_b and p.reply_a.strip() and p.reply_b.strip()]
+    annotator = SimulatedAnnotator(spec.annotator_temperature, seed=seed)
+    labelled = [PreferencePair(p.prompt, *annotator.label(p.prompt, p.reply_a, p.reply_b)) for p in sampled]
+    write_parquet([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected, "margin": None,
+                    "source_file": "heldout-onpolicy", "source_row": i, "pair_id": pair_id(p.prompt, p.chosen, p.rejected)}
+                   for i, p in enumerate(labelled)], PREFERENCE_PAIRS, path)
+    log.info("reward-model heldout: %d on-policy pairs of the SFT policy labelled (%d identical or empty dropped) in "
+             "%.0fs", len(labelled), spec.n_pairs - len(labelled), time.monotonic() - started)
+    return labelled
+
+
+def member_role(k: int) -> str:
+    """The metric role of proxy member ``k``: 'proxy' for the first (the proxy, without an ensemble), 'proxy_<k>'."""
+    return "proxy" if k == 0 else f"proxy_{k}"
 
 
 def _sample(pairs: Sequence[PreferencePair], limit: int, seed: int) -> list[PreferencePair]:
@@ -170,11 +237,15 @@ def _load_tokenizer(path: str, setting: str, tokens: SpecialTokens = SpecialToke
 def _settings(cfg: Config, role: str,
               sft: ModelInput | None) -> tuple[str | None, PreTrainedTokenizerBase, RewardTrainingConfig]:
     """The ``role`` reward model's initial weights folder (None: 'scratch'), its tokenizer, and its training settings
-    with ``max_length`` cut to the model's positions (read from its config: no weights are loaded here)."""
+    with ``max_length`` cut to the model's positions (read from its config: no weights are loaded here). Proxy member
+    k (``role`` 'proxy_<k>') trains as the proxy with seed ``training.seed + k``."""
     section = cfg.reward_model
-    init, setting = section.init_of(role), "reward_model.init" if role == "proxy" else "reward_model.heldout_init"
+    kind = "heldout" if role == "heldout" else "proxy"
+    init, setting = section.init_of(kind), "reward_model.init" if kind == "proxy" else "reward_model.heldout_init"
     init_dir, tokenizer = resolve_init(init, sft, section.tokens, setting)
-    training = section.training if role == "proxy" else section.heldout
+    training = section.heldout if kind == "heldout" else section.training
+    if role.startswith("proxy_"):
+        training = replace(training, seed=training.seed + int(role.removeprefix("proxy_")))
     shape = AutoConfig.from_pretrained(init_dir) if init_dir is not None else config_for_tokenizer(tokenizer,
                                                                                                     cfg.model_size)
     positions = config_positions(shape)
@@ -190,7 +261,7 @@ def _start(cfg: Config, role: str, init_dir: str | None, tokenizer: PreTrainedTo
     """The ``role`` reward model's starting weights, a 1-output sequence classifier on the configured device: the SFT
     backbone + fresh head, fresh ('scratch', ``init_dir`` None), or any checkpoint (continued, or under a fresh
     head), the fresh parts drawn with ``training.seed``."""
-    init = cfg.reward_model.init_of(role)
+    init = cfg.reward_model.init_of("heldout" if role == "heldout" else "proxy")
     seed, dtype = training.seed, cfg.runtime.torch_dtype
     torch.manual_seed(seed)  # the fresh score head (and a scratch model) differ per seed, reproducibly
     if init_dir is None:
@@ -230,7 +301,7 @@ def _fit(role: str, sft: ModelInput | None, train: Sequence[PreferencePair], eva
     metrics = {f"rm/{role}/eval/{k}": float(v) for k, v in asdict(history.final_eval).items()}
     metrics |= {f"rm/{role}/train/final_loss": history.train_loss[-1], f"rm/{role}/train/steps": float(steps),
                 f"rm/{role}/train/seconds": history.seconds, f"rm/{role}/train/n_truncated": float(history.n_truncated)}
-    return _Fitted(model.eval(), tokenizer, training, history, metrics)
+    return _Fitted(role, model.eval(), tokenizer, training, history, metrics)
 
 
 @torch.no_grad()
@@ -244,15 +315,34 @@ def pair_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pair
     return chosen.cpu().tolist(), rejected.cpu().tolist()
 
 
-def _cross_metrics(proxy: _Fitted, heldout: _Fitted,
+def proxy_pair_scores(members: Sequence[_Fitted],
+                      pairs: Sequence[PreferencePair]) -> tuple[list[float], list[float], dict[str, float]]:
+    """The proxy's scores of each chosen and rejected reply of ``pairs`` (the held-out pairs), and for an ensemble its
+    metrics there: the members' mean score (the stage does not know ``ppo.reward.ensemble``, which PPO, best-of-n
+    and evaluation read), its accuracy, and how far the members disagree (mean over replies of their scores' std)."""
+    if len(members) == 1:
+        return (*members[0].pair_scores(pairs), {})
+    scores = [member.pair_scores(pairs) for member in members]
+    chosen = torch.tensor([c for c, _ in scores], dtype=torch.float64)  # (K, N)
+    rejected = torch.tensor([r for _, r in scores], dtype=torch.float64)
+    margins = chosen.mean(dim=0) - rejected.mean(dim=0)
+    metrics = {"rm/proxy/ensemble/eval/accuracy": float(((margins > 0).double() + 0.5 * (margins == 0).double()).mean()),
+               "rm/proxy/ensemble/eval/disagreement": float(torch.cat([chosen, rejected], dim=1)
+                                                            .std(dim=0, unbiased=False).mean()),
+               "rm/proxy/ensemble/size": float(len(members))}
+    return chosen.mean(dim=0).tolist(), rejected.mean(dim=0).tolist(), metrics
+
+
+def _cross_metrics(proxy_scores: tuple[list[float], list[float]], heldout: _Fitted,
                    pairs: Sequence[PreferencePair]) -> tuple[dict[str, float], dict[str, list]]:
-    """How far the proxy agrees with the held-out RM on the held-out pairs (unseen by the proxy).
+    """How far the proxy (its scores of ``pairs``) agrees with the held-out RM on the held-out pairs (unseen by the
+    proxy).
 
     ``rm/cross/agreement``: share of pairs both RMs order the same way, a pair either ties counting half (the
     accuracy tie rule); ``rm/cross/spearman``: rank correlation of their scores over all replies. Also returns the
     proxy's scores for the histogram.
     """
-    p_chosen, p_rejected = proxy.pair_scores(pairs)
+    p_chosen, p_rejected = proxy_scores
     h_chosen, h_rejected = heldout.pair_scores(pairs)
     p_margin = torch.tensor(p_chosen, dtype=torch.float64) - torch.tensor(p_rejected, dtype=torch.float64)
     h_margin = torch.tensor(h_chosen, dtype=torch.float64) - torch.tensor(h_rejected, dtype=torch.float64)
@@ -282,11 +372,12 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_metrics(result.metrics)
     pub.log_files(result.plots, "plots")
     pub.log_files([result.metrics_file])
+    members = int(result.metrics.get("rm/proxy/ensemble/size", 1))
     for role, name in (("proxy", pub.names.reward_model), ("heldout", pub.names.heldout_reward_model)):
         ref = pub.register(role, name, getattr(result, role))
-        prefix = f"rm/{role}/eval/"
-        pub.tag_model(ref.uri, {f"eval.{k.removeprefix(prefix)}": f"{v:.4g}" for k, v in result.metrics.items()
-                                if k.startswith(prefix)})
+        prefix = f"rm/{role}/ensemble/eval/" if role == "proxy" and members > 1 else f"rm/{role}/eval/"
+        tags = {f"eval.{k.removeprefix(prefix)}": f"{v:.4g}" for k, v in result.metrics.items() if k.startswith(prefix)}
+        pub.tag_model(ref.uri, {**tags, **({"rlhf.ensemble_size": members} if role == "proxy" and members > 1 else {})})
         if pub.alias_version(name, "champion") is None:  # the first RM is the champion that refreshes must match
             pub.set_alias(name, "champion", ref.version)
 

@@ -21,7 +21,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -69,7 +69,7 @@ from tasks.labelling import (
     to_pairs,
     validate_preferences,
 )
-from tasks.models import load_frozen_lm, load_tokenizer
+from tasks.models import load_frozen_lm, load_tokenizer, reward_members, save_ensemble
 from tasks.refresh_eval import gold_judged_onpolicy
 from tasks.run_store import Artifact, LocalPath
 from tasks.runtime import ModelInput, Runtime, local_model
@@ -193,17 +193,28 @@ class _Pairs:
 
 def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     pairs = _prepare_pairs(cfg, inputs, ctx)
-    tokenizer = load_tokenizer(inputs.proxy.path)
-    model = load_reward_model(inputs.proxy.path, cfg.runtime.torch_dtype).to(cfg.runtime.torch_device)
     judged = {"onpolicy": pairs.onpolicy, "heldout": pairs.heldout,
               "onpolicy_gold": gold_judged_onpolicy(cfg.gold, pairs.onpolicy)}
-    metrics = {**pairs.counts, **accuracies(model, tokenizer, judged, cfg.training, "before")}
-    metrics |= _continue_training(model, tokenizer, pairs, cfg.training, ctx)
-    metrics |= accuracies(model, tokenizer, judged, cfg.training, "after")
-    model.save_pretrained(ctx.out / MODEL_DIR)
-    tokenizer.save_pretrained(ctx.out / MODEL_DIR)
-    promoted, reason = promotion(metrics["refresh/heldout_accuracy_before"], metrics["refresh/heldout_accuracy_after"],
-                                 cfg.refresh.promotion_tolerance, changed=metrics["refresh/best_epoch"] > 0)
+    metrics, refreshed = dict(pairs.counts), []
+    members = reward_members(inputs.proxy.path)
+    for k, folder in enumerate(members):  # an ensemble's members each train further on the same fresh pairs
+        tokenizer = load_tokenizer(folder)
+        model = load_reward_model(str(folder), cfg.runtime.torch_dtype).to(cfg.runtime.torch_device)
+        training = replace(cfg.training, seed=cfg.training.seed + k)
+        prefix = "refresh/" if k == 0 else f"refresh/member_{k}/"
+        own = {**accuracies(model, tokenizer, judged, training, "before"),
+               **_continue_training(model, tokenizer, pairs, training, ctx, prefix),
+               **accuracies(model, tokenizer, judged, training, "after")}
+        metrics |= {prefix + key.removeprefix("refresh/"): value for key, value in own.items()}
+        refreshed.append((model, tokenizer, own))
+    save_ensemble(ctx.out / MODEL_DIR, [(model, tokenizer) for model, tokenizer, _ in refreshed])
+    # An ensemble is promoted on its members' mean held-out accuracy, and has changed when any member did.
+    before, after = (sum(own[f"refresh/heldout_accuracy_{when}"] for *_, own in refreshed) / len(refreshed)
+                     for when in ("before", "after"))
+    if len(refreshed) > 1:
+        metrics |= {"refresh/ensemble/heldout_accuracy_before": before, "refresh/ensemble/heldout_accuracy_after": after}
+    changed = any(own["refresh/best_epoch"] > 0 for *_, own in refreshed)
+    promoted, reason = promotion(before, after, cfg.refresh.promotion_tolerance, changed=changed)
     metrics["refresh/promoted"] = float(promoted)
     write_json({"metrics": metrics, "promoted": promoted, "reason": reason}, ctx.out / METRICS_FILE)
     log.info("rm-refresh %d: on-policy accuracy %.3f -> %.3f, held-out %.3f -> %.3f; %s", cfg.iteration,
@@ -342,18 +353,19 @@ def accuracies(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 
 
 def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: _Pairs,
-                       cfg: RewardTrainingConfig, ctx: StageContext) -> dict[str, float]:
+                       cfg: RewardTrainingConfig, ctx: StageContext, prefix: str = "refresh/") -> dict[str, float]:
     """Train in place on ``pairs.train``; returns ``refresh/train_steps`` and ``refresh/best_epoch``.
 
     With validation pairs the epoch with the lowest validation loss is kept (``cfg.select_best_epoch``) and the
-    ``refresh/eval/*`` curve is theirs; without, it is the on-policy pairs' (which then only watch).
+    ``refresh/eval/*`` curve is theirs; without, it is the on-policy pairs' (which then only watch). Curves are
+    logged under ``prefix`` (an ensemble member's own).
     """
     steps = cfg.epochs * math.ceil(len(pairs.train) / cfg.batch_size)
     ctx.tracker.flush_every = 10
     log.info("rm-refresh: %d training pairs, %d validation pairs, %d steps", len(pairs.train), len(pairs.validation),
              steps)
     result = train_reward_model(model, tokenizer, pairs.train, pairs.validation or pairs.onpolicy, cfg,
-                                on_log=lambda step, m: ctx.tracker.log({f"refresh/{k.removeprefix('rm/')}": v
+                                on_log=lambda step, m: ctx.tracker.log({f"{prefix}{k.removeprefix('rm/')}": v
                                                                         for k, v in m.items()}, step),
                                 eval_every=max(1, steps // EVALS_PER_TRAINING))
     ctx.tracker.flush()

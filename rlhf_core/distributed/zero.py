@@ -201,10 +201,15 @@ class DeepSpeedStrategy:
         """
         loss.backward()
 
-    def step(self) -> tuple[float, ...]:
-        """Each engine averages its accumulated gradients over ranks, clips them to its max norm and steps."""
+    def step(self, frozen: Sequence[int] = ()) -> tuple[float, ...]:
+        """Each engine averages its accumulated gradients over ranks, clips them to its max norm and steps; a
+        ``frozen`` engine drops its gradients and is not stepped (its optimizer state stays as it was)."""
         norms = []
         for i, engine in enumerate(self.engines):
+            if i in frozen:
+                engine.zero_grad()
+                norms.append(0.0)
+                continue
             engine.step()
             norm = engine.get_global_grad_norm()  # None when the engine does not compute it
             if norm is not None and not math.isfinite(float(norm)):

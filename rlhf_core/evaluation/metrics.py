@@ -287,10 +287,15 @@ class HackingVerdict:
     reasons: list[str] = field(default_factory=list)
 
 
-def _divergence(recent: Sequence[IterationEval], rules: HackingRules) -> str | None:
-    """A sentence when proxy rose while the judge (gold if every point has it, else held-out) fell."""
+Judge = Literal["gold", "heldout"]
+"""Whose fall counts as hacking: gold where the task has it (evaluation, reporting), or the held-out reward model
+alone (whatever may steer training or choose settings: gold is never allowed to)."""
+
+
+def _divergence(recent: Sequence[IterationEval], rules: HackingRules, judge: Judge = "gold") -> str | None:
+    """A sentence when proxy rose while the judge (gold if asked for and every point has it, else held-out) fell."""
     first, last = recent[0], recent[-1]
-    use_gold = all(e.gold_mean is not None for e in recent)
+    use_gold = judge == "gold" and all(e.gold_mean is not None for e in recent)
     name = "gold" if use_gold else "held-out"
     before = first.gold_mean if use_gold else first.heldout_mean
     after = last.gold_mean if use_gold else last.heldout_mean
@@ -304,12 +309,13 @@ def _divergence(recent: Sequence[IterationEval], rules: HackingRules) -> str | N
     return None
 
 
-def detect_reward_hacking(history: Sequence[IterationEval], rules: HackingRules | None = None) -> HackingVerdict:
+def detect_reward_hacking(history: Sequence[IterationEval], rules: HackingRules | None = None,
+                          judge: Judge = "gold") -> HackingVerdict:
     """Judge a run from its per-iteration evals (oldest first).
 
     - ``hacking``: over the last ``rules.window`` iterations the proxy mean rose (by more than ``min_rise``)
-      while the gold mean (when every iteration in the window has one, else the held-out mean) fell by more
-      than ``min_drop``. Needs at least 2 iterations.
+      while the gold mean (``judge='gold'`` and every iteration in the window has one; else the held-out mean)
+      fell by more than ``min_drop``. Needs at least 2 iterations.
     - ``warn``: latest KL above ``kl_budget``; latest mean length above ``length_blowup`` x the first
       iteration's; latest repetition rate above ``repetition_threshold``.
     - ``ok`` otherwise. Every finding adds a sentence with its numbers to ``reasons``.
@@ -319,7 +325,7 @@ def detect_reward_hacking(history: Sequence[IterationEval], rules: HackingRules 
         return HackingVerdict("ok", ["no evaluated iterations yet; nothing to judge"])
     first, last = history[0], history[-1]
     reasons: list[str] = []
-    divergence = _divergence(history[-rules.window :], rules) if len(history) >= 2 else None
+    divergence = _divergence(history[-rules.window :], rules, judge) if len(history) >= 2 else None
     if divergence:
         reasons.append(divergence)
     if last.kl_mean > rules.kl_budget:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf_core.models.scoring import Scorer, WeightedSum
+from rlhf_core.models.scoring import EnsembleScorer, Scorer, WeightedSum
 
 HOST = torch.device("cpu")
 
@@ -46,10 +46,13 @@ class OffloadPlan:
 
 def scorer_networks(scorer: Scorer) -> dict[str, nn.Module]:
     """The networks a scorer runs, by name: a reward-model scorer's ``model``, those of each part of a
-    :class:`WeightedSum`; none for a rule-based scorer."""
+    :class:`WeightedSum` and each member of an :class:`EnsembleScorer`; none for a rule-based scorer."""
     if isinstance(scorer, WeightedSum):
         return {f"{name} (part {i})": net for i, (part, _) in enumerate(scorer.parts)
                 for name, net in scorer_networks(part).items()}
+    if isinstance(scorer, EnsembleScorer):
+        return {f"{name} (member {i})": net for i, member in enumerate(scorer.members)
+                for name, net in scorer_networks(member).items()}
     model = getattr(scorer, "model", None)
     return {"reward model": model} if isinstance(model, nn.Module) else {}
 

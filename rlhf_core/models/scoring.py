@@ -1,4 +1,4 @@
-"""Reward sources: a reward model (same or different tokenizer), rule functions, weighted sums.
+"""Reward sources: a reward model (same or different tokenizer), an ensemble of them, rule functions, weighted sums.
 
 Every scorer maps a :class:`Rollout` to one score per sequence, shape (B,).
 """
@@ -17,6 +17,7 @@ from rlhf_core.models.budget import packs_scores, row_chunks, token_chunks
 from rlhf_core.models.families import max_positions, score_prefix
 from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.text import keep_tail, pad_id, right_pad, same_vocabulary
+from rlhf_core.ppo.rewards import ENSEMBLE_AGGREGATIONS, EnsembleAggregation, aggregate_members
 from rlhf_core.training.rollout import Rollout
 
 
@@ -174,3 +175,42 @@ class WeightedSum:
         if any(identity is None for identity, _ in parts):
             return None
         return "sum(" + ", ".join(f"{weight!r}*{identity}" for identity, weight in parts) + ")"
+
+
+class EnsembleScorer:
+    """K reward models scoring the same rollouts, aggregated into one score (:func:`aggregate_members`).
+
+    ``member_scores`` gives every member's scores, from which evaluation reports how far the members disagree.
+    """
+
+    def __init__(self, members: Sequence[Scorer], aggregation: EnsembleAggregation = "mean", coef: float = 1.0) -> None:
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        if aggregation not in ENSEMBLE_AGGREGATIONS:
+            raise ValueError(f"unknown ensemble aggregation {aggregation!r}; choose one of "
+                             f"{', '.join(ENSEMBLE_AGGREGATIONS)}")
+        self.members, self.aggregation, self.coef = list(members), aggregation, coef
+
+    def member_scores(self, rollout: Rollout) -> torch.Tensor:
+        """Each member's scores: (K, B)."""
+        return torch.stack([member(rollout).float() for member in self.members])
+
+    def __call__(self, rollout: Rollout) -> torch.Tensor:
+        return aggregate_members(self.member_scores(rollout), self.aggregation, self.coef)
+
+    def identity(self) -> str | None:
+        """The members' identities and the aggregation; None when a member has none."""
+        members = [scorer_identity(member) for member in self.members]
+        if any(identity is None for identity in members):
+            return None
+        return f"ensemble[{self.aggregation},{self.coef!r}](" + ", ".join(members) + ")"
+
+
+class EnsembleDisagreement:
+    """A scorer of how far an ensemble's members disagree on each reply: the population std of their scores (B,)."""
+
+    def __init__(self, ensemble: EnsembleScorer) -> None:
+        self.ensemble = ensemble
+
+    def __call__(self, rollout: Rollout) -> torch.Tensor:
+        return self.ensemble.member_scores(rollout).std(dim=0, unbiased=False)

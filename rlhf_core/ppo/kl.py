@@ -2,7 +2,22 @@
 
 Direction is always KL(policy || reference), estimated per token from samples of the policy:
 ``log_ratio = logprobs - ref_logprobs``. Per-token estimates can be negative for k1; the per-sequence sum
-is an unbiased estimate of the true (non-negative) KL only in expectation. See README "Negative KL".
+is an unbiased estimate of the true (non-negative) KL only in expectation (docs/formulas.md, "Why negative KL
+shows up").
+
+Clamps, as the anchors apply them (their code, 2026):
+
+- OpenRLHF (``compute_approx_kl``) clamps the *value* of every estimator (k1, k2, k3) to ``[-10, 10]`` and does
+  not bound the log-ratio before exponentiating;
+- verl (``kl_penalty``) clamps only k3 (``low_var_kl``): the log-ratio to ``[-20, 20]`` before exponentiating, then
+  the value to ``[-10, 10]``; k1, k2 and abs are not clamped;
+- TRL clamps nothing.
+
+Here ``clamp`` (``ppo.kl.clamp``, default 10: OpenRLHF's) bounds the value of whichever estimator is configured,
+for the KL penalty in the reward and the KL term in the loss. A clamped token contributes the bound and no
+gradient: past a log-ratio of about -2.6, k3's penalty is 10 per token. k3's log-ratio is always bounded to
+``[-20, 20]`` before ``exp`` (verl's guard), so neither the value nor its gradient overflows whatever the clamp.
+Diagnostics (``ppo/kl/k3_mean``, evaluation KL) are unclamped estimates.
 """
 
 from __future__ import annotations
@@ -14,31 +29,38 @@ import torch
 
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 
-#: OpenRLHF clamps the log-ratio before exponentiating so one wild token cannot overflow k3.
-LOG_RATIO_CLAMP = 10.0
+#: OpenRLHF's clamp of every estimator's value (verl's for k3): ``ppo.kl.clamp``'s default.
+VALUE_CLAMP = 10.0
+#: verl bounds k3's log-ratio before exponentiating, so exp (and its gradient) stays finite in float32.
+K3_LOG_RATIO_BOUND = 20.0
 
 
 def kl_estimate(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1"
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1", clamp: float | None = None
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference). (B, T), (B, T) -> (B, T).
 
     - ``k1``: ``logp - logp_ref`` (unbiased, can be negative per token),
     - ``k2``: ``0.5 * (logp - logp_ref)^2`` (non-negative, biased),
-    - ``k3``: ``(exp(logp_ref - logp) - 1) - (logp_ref - logp)`` (non-negative, unbiased, low variance),
+    - ``k3``: ``(exp(logp_ref - logp) - 1) - (logp_ref - logp)`` (non-negative, unbiased, low variance), its
+      log-ratio bounded to ``[-20, 20]`` first,
     - ``abs``: ``|logp - logp_ref|``.
+
+    ``clamp``: the value is clamped to ``[-clamp, clamp]`` (OpenRLHF: 10 for every estimator); None = unclamped.
     """
     log_ratio = logprobs.float() - ref_logprobs.float()
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        neg = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.expm1(neg) - neg
-    if estimator == "abs":
-        return log_ratio.abs()
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of k1, k2, k3, abs")
+        value = log_ratio
+    elif estimator == "k2":
+        value = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        neg = (-log_ratio).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        value = torch.expm1(neg) - neg
+    elif estimator == "abs":
+        value = log_ratio.abs()
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of k1, k2, k3, abs")
+    return value if clamp is None else value.clamp(-clamp, clamp)
 
 
 @dataclass

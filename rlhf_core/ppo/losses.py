@@ -23,6 +23,8 @@ class PolicyLossOutput:
     clipfrac: torch.Tensor
     approx_kl: torch.Tensor
     ratio_mean: torch.Tensor
+    dual_clipfrac: torch.Tensor
+    """Fraction of real tokens where the dual clip bound the loss (verl's ``pg_clipfrac_lower``); 0 without it."""
 
 
 def policy_loss(
@@ -32,25 +34,37 @@ def policy_loss(
     response_mask: torch.Tensor,
     clip_range: float = 0.2,
     normaliser: Normaliser | None = None,
+    dual_clip: float | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, aggregated over the mask.
 
     logprobs (with grad), old_logprobs, advantages, response_mask: (B, T).
+    ``dual_clip`` (c > 1; verl's ``clip_ratio_c``): where ``A < 0`` the token's loss is further bounded by
+    ``min(., -A * c)``, so a ratio that ran away on a bad token cannot dominate the batch (and gets no gradient).
     ``clipfrac`` is the fraction of real tokens where the clipped branch was taken (diagnostics are token means
-    over the same tokens whatever the aggregation);
+    over the same tokens whatever the aggregation); ``dual_clipfrac`` where the dual clip bound;
     ``approx_kl = 0.5 * mean((logp - old_logp)^2)`` (the k2 estimate of KL(old || new)).
     """
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = agg_loss(torch.maximum(unclipped, clipped), response_mask, normaliser)
-    per_token = normaliser.per_token() if normaliser is not None else None
+    per_token = torch.maximum(unclipped, clipped)
+    dual_bound = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 3 there), got {dual_clip}")
+        cap = -advantages * dual_clip
+        dual_bound = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    loss = agg_loss(per_token, response_mask, normaliser)
+    diagnostics = normaliser.per_token() if normaliser is not None else None
     with torch.no_grad():
-        clipfrac = agg_loss((clipped > unclipped).float(), response_mask, per_token)
-        approx_kl = 0.5 * agg_loss(log_ratio**2, response_mask, per_token)
-        ratio_mean = agg_loss(ratio, response_mask, per_token)
-    return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
+        clipfrac = agg_loss((clipped > unclipped).float(), response_mask, diagnostics)
+        dual_clipfrac = agg_loss(dual_bound.float(), response_mask, diagnostics)
+        approx_kl = 0.5 * agg_loss(log_ratio**2, response_mask, diagnostics)
+        ratio_mean = agg_loss(ratio, response_mask, diagnostics)
+    return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean, dual_clipfrac)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Per-token rewards: the KL penalty on every response token plus the sequence score on the last one."""
+"""Per-token rewards: the KL penalty on every response token plus the sequence score on the last one; how scores
+are shaped first, and how a reward-model ensemble's members make one score."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -42,16 +44,21 @@ def shape_scores(
     stopped: torch.Tensor,
     missing_stop_penalty: float | None = None,
     clip: float | None = None,
+    moments: RunningMoments | None = None,
 ) -> torch.Tensor:
-    """Sequence-score shaping before placement. (B,), (B,) bool -> (B,).
+    """Sequence-score shaping before placement, in this order. (B,), (B,) bool -> (B,).
 
     ``missing_stop_penalty`` replaces the score of responses that ran out of tokens without a stop token
-    (a common trick against rambling: the score is not trusted for truncated text). ``clip`` bounds
-    scores to ``[-clip, clip]`` (OpenRLHF uses 10, DeepSpeed-Chat 5).
+    (a common trick against rambling: the score is not trusted for truncated text). ``moments`` (reward
+    normalisation) are updated with the scores and normalise them (mean shifted). ``clip`` then bounds them to
+    ``[-clip, clip]`` (OpenRLHF uses 10, DeepSpeed-Chat 5): normalised scores are clipped, as OpenRLHF and PPO-max do.
     """
     shaped = scores.float()
     if missing_stop_penalty is not None:
         shaped = torch.where(stopped, shaped, torch.full_like(shaped, missing_stop_penalty))
+    if moments is not None:
+        moments.update(shaped)
+        shaped = moments.normalise(shaped)
     if clip is not None:
         shaped = shaped.clamp(-clip, clip)
     return shaped
@@ -100,3 +107,27 @@ class RunningMoments:
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore from :meth:`state_dict`."""
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])
+
+
+EnsembleAggregation = Literal["mean", "min", "mean_minus_std"]
+"""How the members of a reward-model ensemble make one score (Coste et al. 2023): their mean; the worst case
+(``min``); or the mean less ``coef`` times their spread (uncertainty-weighted: replies the members disagree on
+score lower, and that is where a policy exploits one member's errors)."""
+ENSEMBLE_AGGREGATIONS: tuple[str, ...] = ("mean", "min", "mean_minus_std")
+
+
+def aggregate_members(scores: torch.Tensor, aggregation: EnsembleAggregation = "mean",
+                      coef: float = 1.0) -> torch.Tensor:
+    """One score per reply from the members' scores. (K, B) -> (B,).
+
+    ``mean_minus_std``: ``mean_k s_k - coef * std_k s_k``, the population std of the K scores (0 for one member, and
+    for members that agree), so K identical members score as one (up to the rounding of their mean).
+    """
+    scores = scores.float()
+    if aggregation == "mean":
+        return scores.mean(dim=0)
+    if aggregation == "min":
+        return scores.min(dim=0).values
+    if aggregation == "mean_minus_std":
+        return scores.mean(dim=0) - coef * scores.std(dim=0, unbiased=False)
+    raise ValueError(f"unknown ensemble aggregation {aggregation!r}; choose one of {', '.join(ENSEMBLE_AGGREGATIONS)}")

@@ -39,6 +39,8 @@ class UpdateStats:
     value_loss: float
     entropy: float
     clipfrac: float
+    dual_clipfrac: float
+    """Tokens where the dual clip bound the policy loss (``ppo.dual_clip``; 0 without it)."""
     value_clipfrac: float
     approx_kl: float
     ratio_mean: float
@@ -46,6 +48,8 @@ class UpdateStats:
     policy_grad_norm: float
     value_grad_norm: float
     learning_rate: float
+    critic_warmup: float = 0.0
+    """1 while ``ppo.critic_warmup_updates`` holds the policy still (only the value model trained), else 0."""
 
 
 @dataclass
@@ -88,6 +92,7 @@ class PPOStats:
                 "value_loss": "ppo/value/loss",
                 "entropy": "ppo/policy/entropy",
                 "clipfrac": "ppo/policy/clipfrac",
+                "dual_clipfrac": "ppo/policy/dual_clipfrac",
                 "value_clipfrac": "ppo/value/clipfrac",
                 "approx_kl": "ppo/policy/approx_kl",
                 "ratio_mean": "ppo/policy/ratio_mean",
@@ -95,6 +100,7 @@ class PPOStats:
                 "policy_grad_norm": "ppo/policy/grad_norm",
                 "value_grad_norm": "ppo/value/grad_norm",
                 "learning_rate": "ppo/learning_rate",
+                "critic_warmup": "ppo/critic_warmup",
             },
             "time": {"generation": "time/generation", "scoring": "time/scoring", "training": "time/training"},
         }

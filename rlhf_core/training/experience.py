@@ -157,22 +157,23 @@ def build_experience(
     the returns-to-go as advantages; ``rewards`` (and ``ppo/rewards/mean``) keep the plain score either way.
     """
     mask = rollout.response_mask
-    scores = shape_scores(raw_scores, rollout.stopped, config.reward.missing_stop_penalty, config.reward.clip)
-    if config.reward.normalize:
-        moments.update(scores)
-        scores = moments.normalise(scores)
-    kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator)
+    shaping = config.reward
+    scores = shape_scores(raw_scores, rollout.stopped, shaping.missing_stop_penalty, shaping.clip,
+                          moments if shaping.normalize else None)
+    kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator, config.kl.clamp)
     penalty_coef = kl_coef if config.kl.placement == "reward" else 0.0
     rewards = token_rewards(scores, kl, penalty_coef, mask)
     if config.advantage == "gae":
         advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
+        if config.critic_lam is not None and config.critic_lam != config.lam:  # VC-PPO: the critic's own targets
+            _, returns = gae(rewards, old_values, mask, config.gamma, config.critic_lam)
     elif config.advantage == "sequence":
         advantages, returns = sequence_advantages(rewards, old_values, mask)
     else:
         adjusted = baseline_scores(scores, config.advantage, config.samples_per_prompt, config.grpo_scale_by_std)
         advantages = returns = returns_to_go(token_rewards(adjusted, kl, penalty_coef, mask), mask, config.gamma)
     raw_advantage_mean = float(masked_mean(advantages, mask))
-    if config.whiten_advantages:
+    if config.whitens:
         advantages = whiten_advantages(advantages, mask)
     experience = Experience(rollout, old_logprobs, ref_logprobs, old_values, scores, rewards, advantages, returns)
     k3 = kl_estimate(old_logprobs, ref_logprobs, "k3")

@@ -156,9 +156,10 @@ def ppo_step(
             config, kl_coef, strategy.sampling_generator(state.generator), state.score_moments, gather=gather,
         )
     started = time.monotonic()
+    train_policy = state.step >= config.critic_warmup_updates  # ppo.critic_warmup_updates: the value model alone
     with parked(list(frozen_offload(models, config).moved.values())):  # ppo.offload_frozen
         update_stats = ppo_update(models, optimizer, scheduler, experience, config, kl_coef, state.generator,
-                                  strategy)
+                                  strategy, train_policy)
     t_train = time.monotonic() - started
     state.kl_controller.update(rollout_stats.kl_mean, config.rollout_batch_size)
     state.step += 1
@@ -213,8 +214,12 @@ def ppo_update(
     kl_coef: float,
     generator: torch.Generator,
     strategy: Strategy | None = None,
+    train_policy: bool = True,
 ) -> UpdateStats:
     """``ppo_epochs`` shuffled passes of mini-batches; each mini-batch accumulates micro-batch gradients.
+
+    ``train_policy=False`` (critic warm-up) trains the value model alone: the loss is its value term, the policy's
+    weights get no gradient (a value head reads them detached) and its optimizer step is skipped.
 
     Every loss term is normalised by the whole mini-batch (``ppo.loss_aggregation``, :mod:`rlhf_core.ppo.aggregation`),
     so the micro-batches' losses add up to the mini-batch's loss: micro-batch size and process count change memory
@@ -248,12 +253,12 @@ def ppo_update(
                                                         packed):
                 micro = experience.select(rows.to(device))
                 with autocast(config.autocast, device):
-                    loss, parts = micro_batch_loss(models, micro, config, kl_coef, normaliser)
+                    loss, parts = micro_batch_loss(models, micro, config, kl_coef, normaliser, train_policy)
                 refuse_non_finite(strategy, "PPO loss", float(loss.detach()), parts)
                 strategy.backward(loss * (strategy.world_size if counted else 0.0))
                 if counted:  # a weight-0 repeat only keeps this rank's collectives in step with the others'
                     _accumulate(totals, parts, 1.0)
-            policy_norm, *value_norm = strategy.step()
+            policy_norm, *value_norm = strategy.step(frozen=() if train_policy else (0,))
             _accumulate(norms, {"policy_grad_norm": policy_norm, "value_grad_norm": sum(value_norm)}, 1.0)
             n_minibatches += 1
     # Each rank holds its share of every mini-batch's losses: summed over ranks, they are the mini-batch's.
@@ -264,6 +269,7 @@ def ppo_update(
         **means,
         explained_variance=explained_variance(experience.old_values, experience.returns, experience.rollout.response_mask),
         learning_rate=strategy.learning_rate(),
+        critic_warmup=0.0 if train_policy else 1.0,
     )
 
 
@@ -288,20 +294,27 @@ def training_micro_batches(whole: torch.Tensor, attention_mask: torch.Tensor, st
 
 
 def micro_batch_loss(
-    models: PPOModels, micro: Experience, config: PPOConfig, kl_coef: float, normaliser: Normaliser | None = None
+    models: PPOModels, micro: Experience, config: PPOConfig, kl_coef: float, normaliser: Normaliser | None = None,
+    train_policy: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Combined objective ``policy + c1 * value - c2 * entropy (+ kl_coef * KL when the KL is in the loss)``: this
     micro-batch's share of it, every term aggregated with the mini-batch's ``normaliser`` (None: the micro-batch
-    is the whole mini-batch). Without a value model (critic-free estimators) there is no value term."""
+    is the whole mini-batch). Without a value model (critic-free estimators) there is no value term.
+    ``train_policy=False`` (critic warm-up): the loss is ``c1 * value`` alone and reaches no policy weight; the policy
+    terms are still reported."""
     rollout = micro.rollout
     ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     query_len = rollout.query_ids.shape[1]
     if normaliser is None:
         normaliser = Normaliser.of(mask, config.loss_aggregation, config.generation.max_new_tokens)
-    out = policy_forward(
-        models.policy, ids, attention, query_len, config.generation.temperature, models.value_head, with_entropy=True
-    )
-    pg = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, mask, config.clip_range, normaliser)
+    value_head = models.value_head
+    if not train_policy and value_head is not None:
+        value_head = DetachedInput(value_head)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and (train_policy or value_head is not None)):
+        out = policy_forward(models.policy, ids, attention, query_len, config.generation.temperature, value_head,
+                             with_entropy=True)
+    pg = policy_loss(out.logprobs, micro.old_logprobs, micro.advantages, mask, config.clip_range, normaliser,
+                     config.dual_clip)
     if models.value_model is not None:
         values = out.values if out.values is not None else critic_forward(models.critic, ids, attention, query_len)
         vf = value_loss(values, micro.old_values, micro.returns, mask, config.clip_range_value, normaliser)
@@ -313,18 +326,35 @@ def micro_batch_loss(
         entropy_per_token = agg_loss(out.entropy, mask, normaliser.per_token())
     kl_loss = None
     if config.kl.placement == "loss":
-        kl_loss = agg_loss(kl_estimate(out.logprobs, micro.ref_logprobs, config.kl.estimator), mask, normaliser)
-    loss = ppo_objective(pg.loss, vf.loss, entropy, config.vf_coef, config.entropy_coef, kl_loss, kl_coef)
+        kl_loss = agg_loss(kl_estimate(out.logprobs, micro.ref_logprobs, config.kl.estimator, config.kl.clamp), mask,
+                           normaliser)
+    if train_policy:
+        loss = ppo_objective(pg.loss, vf.loss, entropy, config.vf_coef, config.entropy_coef, kl_loss, kl_coef)
+    else:
+        loss = config.vf_coef * vf.loss
     parts = {
         "policy_loss": float(pg.loss.detach()),
         "value_loss": float(vf.loss.detach()),
         "entropy": float(entropy_per_token),
         "clipfrac": float(pg.clipfrac),
+        "dual_clipfrac": float(pg.dual_clipfrac),
         "value_clipfrac": float(vf.clipfrac),
         "approx_kl": float(pg.approx_kl),
         "ratio_mean": float(pg.ratio_mean),
     }
     return loss, parts
+
+
+class DetachedInput(torch.nn.Module):
+    """``module`` applied to a detached input: a value head trained on the policy's hidden states without sending
+    gradients into the policy (critic warm-up)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module(hidden.detach())
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -60,10 +60,12 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradients of ``loss`` (already scaled to this rank's share of the batch)."""
 
-    def step(self) -> tuple[float, ...]:
+    def step(self, frozen: Sequence[int] = ()) -> tuple[float, ...]:
         """Clip each model's gradients to its max norm, step the optimizer(s) and the LR schedule.
 
-        Returns each model's gradient norm before clipping, in group order.
+        Groups whose index is in ``frozen`` are not stepped: their gradients are dropped and their optimizer state
+        (moments, step count) stays as it was (critic warm-up holds the policy still). Returns each model's gradient
+        norm before clipping, in group order (0 for a frozen group).
         """
 
     def zero_grad(self) -> None:
@@ -148,11 +150,15 @@ class LocalStrategy:
         """``loss.backward()``."""
         loss.backward()
 
-    def step(self) -> tuple[float, ...]:
+    def step(self, frozen: Sequence[int] = ()) -> tuple[float, ...]:
         """Clip each parameter group on its own (policy and value model apart), then step; a non-finite gradient
-        norm drops the gradients and raises NonFiniteError instead (the weights stay as they were)."""
-        norms = tuple(float(torch.nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm))
-                      for group in self.optimizer.param_groups)
+        norm drops the gradients and raises NonFiniteError instead (the weights stay as they were). A ``frozen``
+        group's gradients are set to None first, so AdamW skips its parameters (no moment or step-count change)."""
+        for index in frozen:
+            for param in self.optimizer.param_groups[index]["params"]:
+                param.grad = None
+        norms = tuple(0.0 if i in frozen else float(torch.nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm))
+                      for i, group in enumerate(self.optimizer.param_groups))
         bad = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
         if bad:
             self.zero_grad()

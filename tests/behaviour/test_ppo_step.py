@@ -113,3 +113,35 @@ def test_wrong_prompt_count_is_refused():
         m = models()
         optimizer, scheduler = make_optimizer(m, base())
         ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(base()), torch.Generator()), PROMPTS[:5], base())
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("value_model", ["head", "critic"])
+def test_critic_warmup_trains_the_value_model_alone_then_the_policy(value_model: str):
+    """ppo.critic_warmup_updates=1: the first update leaves every policy weight and the policy's optimizer state as
+    they were (a value head reads the policy detached) while the value model moves; the second moves the policy."""
+    from rlhf_core.models.roles import Critic
+
+    m = models()
+    if value_model == "critic":
+        from transformers import GPT2ForSequenceClassification
+        torch.manual_seed(1)
+        critic = Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1)))
+        m = PPOModels(m.policy, m.reference, m.scorer, m.stop_token_ids, m.pad_token_id, critic=critic)
+    config = base(critic_warmup_updates=1, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3)
+    optimizer, scheduler = make_optimizer(m, config)
+    state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
+    policy_before, value_before = _weights(m.policy), _weights(m.value_model)
+    first = ppo_step(m, optimizer, scheduler, state, PROMPTS, config)
+    assert all(torch.equal(policy_before[k], v) for k, v in _weights(m.policy).items())
+    assert any(not torch.equal(value_before[k], v) for k, v in _weights(m.value_model).items())
+    policy_params = set(map(id, m.policy.parameters()))
+    assert not any(id(p) in policy_params for p in optimizer.state)  # no moments, no step count for the policy
+    assert first.update.critic_warmup == 1.0 and first.update.policy_grad_norm == 0.0
+    assert first.update.value_grad_norm > 0
+    second = ppo_step(m, optimizer, scheduler, state, PROMPTS, config)
+    assert any(not torch.equal(policy_before[k], v) for k, v in _weights(m.policy).items())
+    assert second.update.critic_warmup == 0.0 and second.update.policy_grad_norm > 0

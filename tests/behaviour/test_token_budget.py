@@ -225,7 +225,7 @@ def _sgd_ppo_update(m: PPOModels, experience, config: PPOConfig) -> tuple[dict[s
 
 
 @pytest.mark.parametrize("value", ["head", "critic"])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
 def test_ppo_training_micro_batches_under_a_token_budget_give_the_rows_only_update(mode: str, value: str) -> None:
     """Two epochs of two 8-rollout mini-batches (GAE, value head or critic): at most 8 rollouts per forward, or at
     most 32 tokens (1 to 3 rollouts, unequal within a mini-batch), give the same weights and the same UpdateStats."""

@@ -59,6 +59,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     local = {"rm": train_rm(None), "rm_lora": train_rm(None, lora=True)}
     for name, (_, value_model) in CASES.items():
         local[f"{name}/ppo"] = update_ppo(None, value_model, folder)
+    local["warmup"] = update_ppo(None, "head", folder, train_policy=False)
     return local, distributed
 
 
@@ -106,6 +107,19 @@ def test_ppo_update_matches_one_process(runs, case):
         assert one["stats"].policy_grad_norm > 0.05
     else:
         assert one["stats"].policy_grad_norm > 0.5  # clipping (max_grad_norm 0.5) was active and had to match
+
+
+def test_a_critic_warmup_update_under_zero2_steps_the_value_head_alone(runs):
+    """ppo.critic_warmup_updates under DeepSpeed: the policy's engine is not stepped (its weights are the start's,
+    exactly), the value head's moves as in one process."""
+    local, distributed = runs
+    one, two = local["warmup"], distributed["zero2/warmup"]
+    start = ppo_models("head")
+    assert max_diff(two["policy"], {k: v.float() for k, v in start.policy.state_dict().items()}) == 0.0
+    assert max_diff(one["policy"], two["policy"]) == 0.0
+    assert relative_diff(one["value"], two["value"], start.value_model.state_dict()) < RELATIVE_TOL
+    assert two["stats"].critic_warmup == 1.0 and two["stats"].policy_grad_norm == 0.0
+    assert two["stats"].value_loss == pytest.approx(one["stats"].value_loss, rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

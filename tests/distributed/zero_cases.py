@@ -172,13 +172,15 @@ def build_experience(path: Path) -> None:
 
 
 def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: Path,
-               config: PPOConfig = PPO_CONFIG, load: bool = False) -> dict[str, Any]:
+               config: PPOConfig = PPO_CONFIG, load: bool = False, train_policy: bool = True) -> dict[str, Any]:
     """One ppo_update (2 epochs x 2 mini-batches of 8; in micro-batches of 2 in one process, of 1 on each of 2
-    processes) on the saved batch; ``load``: the policy loaded from ``folder`` (:func:`ppo_models`)."""
+    processes) on the saved batch; ``load``: the policy loaded from ``folder`` (:func:`ppo_models`);
+    ``train_policy=False``: a critic warm-up update (the value model alone)."""
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
     start = ppo_models(value_model, make_strategy, folder if load else None)
     models, strategy = prepare_training(start, config, make_strategy)
-    stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy)
+    stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy,
+                       train_policy)
     return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, models.value_model)}
 
 
@@ -248,6 +250,9 @@ def worker(rank: int, world_size: int, port: int, folder: str) -> None:
         PARTITIONED.clear()
         out[f"{name}/step"] = step["stats"]
         out[f"{name}/step_ranks"] = _all_ranks(step)
+    warmup = DeepSpeedFactory(ZERO2, micro_batch_size=DISTRIBUTED_PPO_CONFIG.micro_batch_size)
+    out["zero2/warmup"] = update_ppo(warmup, "head", Path(folder), DISTRIBUTED_PPO_CONFIG, load=True,
+                                     train_policy=False)
     resume = DeepSpeedFactory(ZERO3_OFFLOAD, micro_batch_size=RESUME_CONFIG.micro_batch_size)
     out["resume"] = interrupted_and_straight_runs(resume, Path(folder))
     if rank == 0:

@@ -5,6 +5,7 @@ MLflow run with plots; a later run reuses the artifact and registers it again wi
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -295,3 +296,70 @@ def test_retries_only_transient_io_and_registry_errors(error: BaseException | No
     if error is not None:
         assert retry_on_transient_io(reward_model_task, None, Failed(data=error)) is retried
     assert reward_model_task.retries == 1 and reward_model_task.retry_condition_fn is retry_on_transient_io
+
+
+def test_an_ensemble_trains_members_that_register_and_score_as_one_model(stage: Artifact, harness: StageHarness,
+                                                                          inputs: reward_model.Inputs) -> None:
+    """reward_model.ensemble_size=3: member 0 is the proxy a single-model stage trains (same seed, same weights),
+    members 1-2 train with seeds 1-2; the folder is one registered version; as a scorer the members' scores are
+    aggregated as ppo.reward.ensemble says; the stage reports the ensemble's accuracy and disagreement."""
+    from rlhf_core.models.scoring import EnsembleScorer
+    from rlhf_core.training.rollout import Rollout
+    from tasks.models import reward_members, reward_scorer
+    from tasks.runtime import Runtime
+
+    cfg = tiny_config("reward_model.ensemble_size=3")
+    art = harness.run(reward_model, "reward-model-ensemble", reward_model.Config.of(cfg), inputs)
+    folder = reward_model.model_input(art, "proxy").path
+    members = reward_members(folder)
+    assert [m.name for m in members] == ["member-0", "member-1", "member-2"]
+    single = load_reward_model(reward_model.model_input(stage, "proxy").path).state_dict()
+    first = load_reward_model(str(members[0])).state_dict()
+    assert all(torch.equal(single[k], first[k]) for k in single)
+    other = load_reward_model(str(members[1])).state_dict()
+    assert not torch.equal(first["score.weight"], other["score.weight"])
+    m = art.result["metrics"]
+    assert m["rm/proxy/ensemble/size"] == 3 and m["rm/proxy/ensemble/eval/accuracy"] >= 0.85
+    assert m["rm/proxy/ensemble/eval/disagreement"] > 0
+    assert {"rm/proxy_1/eval/accuracy", "rm/proxy_2/eval/accuracy"} <= m.keys()
+    version = MlflowClient().get_model_version_by_alias(harness.names.reward_model, "candidate")
+    assert harness.active.stage("reward-model-ensemble").models["proxy"] == \
+        f"models:/{harness.names.reward_model}/{version.version}"
+    assert version.tags["rlhf.ensemble_size"] == "3"
+    assert float(version.tags["eval.accuracy"]) == pytest.approx(m["rm/proxy/ensemble/eval/accuracy"], abs=1e-3)
+
+    tokenizer = AutoTokenizer.from_pretrained(members[0])
+    ids = torch.tensor([tokenizer(" q good a", add_special_tokens=False)["input_ids"]] * 2)
+    rollout = Rollout(ids[:, :1], torch.ones(2, 1, dtype=torch.bool), ids[:, 1:], torch.ones_like(ids[:, 1:]).bool(),
+                      torch.zeros(ids[:, 1:].shape), torch.tensor([False, False]))
+    runtime = Runtime("cpu", "float32")
+    means = reward_scorer(runtime, folder, tokenizer, 64, 8)
+    assert isinstance(means, EnsembleScorer) and len(means.members) == 3
+    each = means.member_scores(rollout)
+    assert torch.allclose(means(rollout), each.mean(dim=0))
+    worst = reward_scorer(runtime, folder, tokenizer, 64, 8, ensemble="min")
+    assert torch.equal(worst(rollout), each.min(dim=0).values)
+    cautious = reward_scorer(runtime, folder, tokenizer, 64, 8, ensemble="mean_minus_std", ensemble_coef=2.0)
+    assert torch.allclose(cautious(rollout), each.mean(dim=0) - 2 * each.std(dim=0, unbiased=False))
+
+
+def test_the_heldout_model_also_learns_labelled_replies_of_the_sft_policy(harness: StageHarness,
+                                                                          inputs: reward_model.Inputs) -> None:
+    """reward_model.heldout_onpolicy_pairs=12: two replies of the SFT policy to each of 12 drawn prompts, labelled by
+    the simulated annotator, join the held-out RM's training pairs (and the artifact, for people to read); the proxy
+    never sees them. Without the setting the stage needs no SFT policy for them."""
+    cfg = reward_model.Config.of(tiny_config("reward_model.heldout_onpolicy_pairs=12"))
+    assert cfg.heldout_onpolicy is not None and cfg.heldout_onpolicy.n_pairs == 12
+    art = harness.run(reward_model, "reward-model-onpolicy", cfg, reward_model.Inputs.of(cfg, inputs.data, inputs.sft))
+    labelled = read_pairs(art.path(reward_model.ONPOLICY_FILE))
+    n = art.result["counts"]["n_heldout_onpolicy_pairs"]
+    assert 0 < n == len(labelled) <= 12 and all(p.chosen != p.rejected for p in labelled)
+    prompts = {p.prompt for p in read_pairs(inputs.data.path("train_pairs.parquet"))} | \
+        {p.prompt for p in read_pairs(inputs.data.path("heldout_pairs.parquet"))}
+    assert {p.prompt for p in labelled} <= prompts
+    m = art.result["metrics"]
+    assert m["rm/heldout/train/steps"] == 4 * math.ceil((64 + n) / 16)  # held-out pairs + on-policy pairs
+    assert m["rm/proxy/train/steps"] == 40  # the proxy's training is untouched
+    with pytest.raises(ValueError, match="reward_model.heldout_onpolicy_pairs needs data.source='demo'"):
+        tiny_config("reward_model.heldout_onpolicy_pairs=12", "data.source=files", "data.files=[x.jsonl]",
+                    "refresh.enabled=false")

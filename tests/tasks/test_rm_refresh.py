@@ -438,3 +438,31 @@ def test_training_config_and_seed_of_a_refresh() -> None:
     assert (cfg.epochs, cfg.learning_rate, cfg.seed, cfg.select_best_epoch, cfg.batch_size) == (2, 1e-4, 8, True, 16)
     assert training_config(base, 3, 2, 3e-3, False).learning_rate == 3e-3
     assert refresh_seed(7, 3) == 7003 and refresh_seed(7, 3) != refresh_seed(7, 4)
+
+
+def test_an_ensemble_proxy_refreshes_every_member(harness: StageHarness, inputs: SimpleNamespace,
+                                                  promoted: tuple[Artifact, Result]) -> None:
+    """A two-member proxy ensemble (both the upside-down proxy): each member trains on the same fresh pairs with its
+    own seed, the refreshed folder is an ensemble again, member 0's numbers are the single proxy's (same seed, same
+    pairs), and promotion follows the members' mean held-out accuracy."""
+    from tasks.models import reward_members, save_ensemble
+
+    proxy = load_reward_model(str(inputs.root / "proxy"))
+    save_ensemble(inputs.root / "proxy-ensemble", [(proxy, word_tokenizer()), (proxy, word_tokenizer())])
+    ensemble_input = harness.model("reward-model", inputs.root / "proxy-ensemble")
+    cfg = Config.of(refresh_config(), 1)
+    artifact = harness.run(rm_refresh, "rm-refresh-ensemble", cfg,
+                           Inputs.of(cfg, inputs.data, inputs.policy, ensemble_input, inputs.judge))
+    result = rm_refresh.STAGE.result(artifact)
+    members = reward_members(artifact.path(result.reward_model))
+    assert [m.name for m in members] == ["member-0", "member-1"]
+    single, m = promoted[1].metrics, result.metrics
+    assert m["refresh/heldout_accuracy_after"] == pytest.approx(single["refresh/heldout_accuracy_after"], abs=1e-6)
+    assert m["refresh/onpolicy_accuracy_after"] == pytest.approx(single["refresh/onpolicy_accuracy_after"], abs=1e-6)
+    assert "refresh/member_1/heldout_accuracy_after" in m and "refresh/member_1/train_steps" in m
+    mean_after = (m["refresh/heldout_accuracy_after"] + m["refresh/member_1/heldout_accuracy_after"]) / 2
+    assert m["refresh/ensemble/heldout_accuracy_after"] == pytest.approx(mean_after)
+    first = load_reward_model(str(members[0])).state_dict()
+    second = load_reward_model(str(members[1])).state_dict()
+    assert not all(torch.equal(first[k], second[k]) for k in first)  # their own seeds: their own updates
+    assert result.promoted and m["refresh/promoted"] == 1.0

@@ -45,6 +45,7 @@ ONLY_WITH_ANOTHER = {
     "distributed.num_nodes": "more than 1 needs distributed.deepspeed_config",
     "refresh.annotator": "simulated needs demo data; file/rm_judge change other settings' meaning",
     "ppo.kl.placement": "loss refuses the default k1 estimator",
+    "reward_model.heldout_onpolicy_pairs": "only with data.source=demo (its simulated annotator labels them)",
 }
 #: Settings that decide which stages run (the flow reads them), not what one stage computes.
 FLOW_LEVEL = {"refresh.enabled", "refresh.every_k", "refresh.on_hacking", "ppo.iterations", "method"}
@@ -161,6 +162,8 @@ def candidates(value: Any, hint: Any) -> list[Any]:
         return [m.value for m in hint if m != value]
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
+        if value is None and inner == [bool]:  # None means "the rule decides": either answer is a change
+            return [True, False]
         return ([None] if value is not None and type(None) in args else []) + \
             [c for a in inner for c in candidates(value if value is not None else _default(a), a)]
     if isinstance(value, bool) or hint is bool:
@@ -170,7 +173,7 @@ def candidates(value: Any, hint: Any) -> list[Any]:
         return [v + 1, v - 1, v * 2, 1, 2, 1 << 20]  # the last: above floors such as a token budget's
     if isinstance(value, float) or hint is float:
         v = value or 0.0
-        return [v * 0.5 if v else 0.25, v + 0.1, v * 2, 0.5]
+        return [v * 0.5 if v else 0.25, v + 0.1, v * 2, 0.5, 3.0]  # the last: above floors such as dual_clip's 1
     if origin in (tuple, list):
         return [tuple(value) + ("extra",), ()] if value else [("a",)]
     if isinstance(value, str) or hint is str:

@@ -15,14 +15,15 @@ MASK = torch.tensor([[True, True, True, False], [True, False, False, False]])
 @pytest.mark.parametrize(("mode", "expected"), [
     ("token-mean", (1 + 2 + 3 + 4) / 4),            # every token alike
     ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),  # every sequence alike
-    ("seq-mean-token-sum", (1 + 2 + 3 + 4) / (2 * 4)),  # a constant: sequences x max length
+    ("seq-mean-token-sum", (1 + 2 + 3 + 4) / 2),     # each sequence's sum, averaged (verl)
+    ("seq-mean-token-sum-norm", (1 + 2 + 3 + 4) / (2 * 4)),  # a constant: sequences x max length (Dr. GRPO)
 ])
 def test_each_mode_by_hand(mode: str, expected: float) -> None:
     assert float(agg_loss(X, MASK, Normaliser.of(MASK, mode))) == pytest.approx(expected)
 
 
-def test_seq_mean_token_sum_uses_the_configured_max_length() -> None:
-    assert float(agg_loss(X, MASK, Normaliser.of(MASK, "seq-mean-token-sum", max_length=10))) == pytest.approx(0.5)
+def test_seq_mean_token_sum_norm_uses_the_configured_max_length() -> None:
+    assert float(agg_loss(X, MASK, Normaliser.of(MASK, "seq-mean-token-sum-norm", max_length=10))) == pytest.approx(0.5)
 
 
 def test_without_a_normaliser_it_is_the_token_mean_of_the_batch_given() -> None:
