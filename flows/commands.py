@@ -120,6 +120,9 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
     server.add_argument("--port", type=int, default=4200, help="port (default 4200; a free one when taken)")
     server.set_defaults(handler=_server)
+    from flows.sweep_command import add_sweep_command
+
+    add_sweep_command(subparsers)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,16 +50,37 @@ def console_logging() -> None:
     quiet_libraries()
 
 
+#: Threads inside a :func:`run_logging` block (a run, or a sweep), each with how many blocks it is in.
+_LOGGING_THREADS: dict[int, int] = {}
+_LOGGING_LOCK = threading.Lock()
+
+
+class _OwnLines(logging.Filter):
+    """Lines of the thread that opened the block, and of threads that are in no other block (background threads):
+    runs of a sweep that execute side by side in one process keep their own log files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread == self.thread or record.thread not in _LOGGING_THREADS
+
+
 @contextmanager
 def run_logging(log_file: Path) -> Iterator[None]:
     """While a run executes: every log line (ours at INFO, libraries' warnings, Prefect's failure reports) is
     appended to ``log_file``, and ours also go to the Prefect flow run's log page. A failure's traceback is
-    written to the file once, here."""
+    written to the file once, here. Lines another thread logs inside its own block go to that block's file only."""
     quiet_libraries()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(log_file, encoding="utf-8")
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     to_file.setLevel(logging.INFO)
+    to_file.addFilter(_OwnLines())
+    thread = threading.get_ident()
+    with _LOGGING_LOCK:
+        _LOGGING_THREADS[thread] = _LOGGING_THREADS.get(thread, 0) + 1
     # the root logger gets every line; Prefect's run loggers may not propagate there (the CLI's console_logging)
     holders = [logging.getLogger(), *(logger for logger in map(logging.getLogger, _FAILURE_LOGGERS)
                                       if not logger.propagate)]
@@ -82,6 +104,10 @@ def run_logging(log_file: Path) -> Iterator[None]:
         for holder in holders:
             holder.removeHandler(to_file)
         to_file.close()
+        with _LOGGING_LOCK:
+            _LOGGING_THREADS[thread] -= 1
+            if not _LOGGING_THREADS[thread]:
+                del _LOGGING_THREADS[thread]
 
 
 def _prefect_handler() -> logging.Handler | None:

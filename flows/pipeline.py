@@ -85,7 +85,8 @@ def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
             heldout_eval.Inputs(data, policy, reference, proxy, heldout, baseline, tuple(outcome.evals)), runner)
         outcome.ppo.append(ppo)
         outcome.evals.append(evaluation)
-        status = heldout_eval.STAGE.result(evaluation).status
+        # the held-out RM's verdict: gold only evaluates, it never decides what trains next
+        status = heldout_eval.STAGE.result(evaluation).heldout_status
         if k < config.ppo.iterations and should_refresh(config, k, status):
             refresh_cfg = rm_refresh.Config.of(config, k)
             refreshed = timed(rm_refresh.rm_refresh_task)(
@@ -116,6 +117,22 @@ def run_dpo(config: PipelineConfig, runner: Runner, outcome: Outcome, reference:
     return outcome
 
 
+def stage_configs(config: PipelineConfig) -> dict[str, Any]:
+    """The config slice each stage ``run_stages`` may run is given, by label (rm-refresh only when refresh is on): what
+    enters their artifact keys. Two configs with equal slices compute the same things (``rlhf sweep`` refuses a grid
+    key that moves none of them)."""
+    slices: dict[str, Any] = {"data-prep": data_prep.Config.of(config), "sft": sft.Config.of(config),
+                              "reward-model": reward_model.Config.of(config), "best-of-n": best_of_n.Config.of(config)}
+    if config.method == "dpo":
+        return {**slices, "dpo": dpo.Config.of(config), "heldout-eval-1": heldout_eval.Config.of(config, 1, 0)}
+    for k in range(1, config.ppo.iterations + 1):
+        slices[f"ppo-iteration-{k}"] = ppo_iteration.Config.of(config, k)
+        slices[f"heldout-eval-{k}"] = heldout_eval.Config.of(config, k, 0)
+        if config.refresh.enabled and k < config.ppo.iterations:
+            slices[f"rm-refresh-{k}"] = rm_refresh.Config.of(config, k)
+    return slices
+
+
 def _timed(config: PipelineConfig) -> Callable[[Task], Task]:
     """A stage task failed by Prefect when it runs past ``orchestration.stage_timeout_minutes`` (if set)."""
     limit = config.orchestration.stage_timeout_minutes
@@ -123,7 +140,8 @@ def _timed(config: PipelineConfig) -> Callable[[Task], Task]:
 
 
 def should_refresh(config: PipelineConfig, iteration: int, status: str) -> bool:
-    """Refresh the proxy RM every ``refresh.every_k`` iterations, or when evaluation flags hacking."""
+    """Refresh the proxy RM every ``refresh.every_k`` iterations, or when evaluation's held-out verdict (``status``)
+    flags hacking."""
     section = config.refresh
     if not section.enabled:
         return False
@@ -206,7 +224,8 @@ def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str
     changes = changed_settings(config, run.record.preset)
     title = run_title(config.name, changes, run.run_id)
     tags = {"rlhf.name": config.name, "rlhf.preset": run.record.preset or "none", "rlhf.code_version": code_version(),
-            "rlhf.changed": " ".join(f"{k}={v}" for k, v in changes.items()) or "none"}
+            "rlhf.changed": " ".join(f"{k}={v}" for k, v in changes.items()) or "none",
+            **sweep_tags(store, run.record.sweep_id)}
     with pipeline_run(config.tracking.experiment, run.run_id, title, flatten_for_params(config), tags,
                       amended=bool(run.record.amendments)) as parent:
         run.record.mlflow_run_id = parent
@@ -224,6 +243,14 @@ def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str
         tracking.set_description(parent, summary_markdown(summary))
     publish_summary_artifact(summary)
     return summary
+
+
+def sweep_tags(store: RunStore, sweep_id: str | None) -> dict[str, str]:
+    """A sweep's run: its id, and its MLflow parent run nested under the sweep's (the compare page groups them)."""
+    if sweep_id is None:
+        return {}
+    parent = store.load_sweep(sweep_id).mlflow_run_id
+    return {tracking.SWEEP_TAG: sweep_id, **({tracking.PARENT_TAG: parent} if parent else {})}
 
 
 def run_title(name: str, changes: dict[str, str], run_id: str) -> str:

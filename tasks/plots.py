@@ -197,6 +197,38 @@ def loss_curve(
     return fig
 
 
+def sweep_frontier(settings: Sequence[Mapping[str, object]], best_of_n: Sequence[Mapping[str, object]],
+                   title: str = "Sweep: score against KL") -> Figure:
+    """One panel per judge (held-out RM, and gold where present): each setting's final policy (mean over seeds, with
+    the seeds' sd as error bars) against its KL to the SFT policy, beside the best-of-N curve of the same seeds.
+
+    ``settings``: rows with ``setting`` and ``(mean, sd)`` or None under ``kl``, ``heldout``, ``gold``;
+    ``best_of_n``: points with ``n``, ``kl`` and ``(mean, sd)`` or None per judge.
+    """
+    judges = [j for j in ("heldout", "gold") if any(row.get(j) is not None for row in settings)]
+    fig, axes = _new_figure(len(judges) or 1)
+    for ax, judge in zip(axes, judges or ["heldout"]):
+        curve = [(p["kl"], p[judge][0]) for p in best_of_n if p.get(judge) is not None]
+        if curve:
+            ax.plot([x for x, _ in curve], [y for _, y in curve], color="grey", marker="x", linestyle="--",
+                    label="best-of-N from SFT")
+            for point, (x, y) in zip((p for p in best_of_n if p.get(judge) is not None), curve):
+                ax.annotate(f"N={point['n']}", (x, y), textcoords="offset points", xytext=(3, -10), fontsize=7,
+                            color="grey")
+        for i, row in enumerate(settings):
+            score, kl = row.get(judge), row.get("kl")
+            if score is None or kl is None:
+                continue
+            ax.errorbar(kl[0], score[0], xerr=kl[1], yerr=score[1], marker="o", capsize=3, color=f"C{i % 10}",
+                        label=str(row["setting"]))
+        ax.set_xlabel("KL to the SFT policy (nats per reply)")
+        ax.set_ylabel(f"{'held-out RM' if judge == 'heldout' else 'gold'} score of the final policy")
+        ax.grid(alpha=0.3)
+    axes[0].set_title(title)
+    axes[0].legend(fontsize=7, loc="best")
+    return fig
+
+
 def save_figure(fig: Figure, path: str | os.PathLike[str]) -> Path:
     """Write ``fig`` as a PNG at ``path`` atomically (temp file in the same folder, then rename), then close it.
 

@@ -27,11 +27,12 @@ from pathlib import Path
 
 from tasks.run_store.artifacts import Artifact, ArtifactError, ArtifactPart, Claim, read_artifact
 from tasks.run_store.keys import LocalPath, ModelSource, code_version, stage_key
-from tasks.run_store.layout import (CONFIG_FILE, FORMAT_VERSION, LOG_FILE, RUN_LOCK, SUMMARY_FILE, Layout,
-                                   LayoutError)
+from tasks.run_store.layout import (CONFIG_FILE, FORMAT_VERSION, LOG_FILE, RUN_LOCK, SUMMARY_FILE, SWEEP_FILE,
+                                   Layout, LayoutError)
 from tasks.run_store.locks import FileLock, Holder, LockBusy, holder_if_alive, now_iso
 from tasks.run_store.resume import ResumeStateError, prune_resume_states, resume_state
 from tasks.run_store.runs import RunRecord, RunStatus, StageEntry, new_run_id
+from tasks.run_store.sweeps import SweepCell, SweepRecord, SweepStatus
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ LATEST = "latest"
 RESERVE_BYTES = 1 << 20
 """Space the state folder holds back for run records on a full disk (they are a few KiB)."""
 
-__all__ = ["LATEST", "ActiveRun", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath", "ModelSource",
-           "ResumeStateError", "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError", "code_version", "new_run_id",
-           "stage_key"]
+__all__ = ["LATEST", "ActiveRun", "ActiveSweep", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath",
+           "ModelSource", "ResumeStateError", "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError",
+           "SweepCell", "SweepRecord", "code_version", "new_run_id", "stage_key"]
 
 
 class StateError(LookupError):
@@ -52,10 +53,32 @@ class RunLockedError(StateError):
     """Another live process holds the run (one writer per run)."""
 
 
-def _locked(run_id: str, holder: Holder | None) -> RunLockedError:
+@contextmanager
+def _sole_writer(lock_path: Path, purpose: str, what: str) -> Iterator[None]:
+    """Hold ``lock_path`` (with a heartbeat) while inside; RunLockedError naming ``what`` ('run X') and the holder."""
+    lock = FileLock(lock_path, purpose)
+    try:
+        lock.acquire()
+    except LockBusy as busy:
+        raise _locked(what, busy.holder) from None
+    lock.start_heartbeat()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _refuse_if_held(lock_path: Path, what: str) -> None:
+    holder = holder_if_alive(lock_path)
+    if holder is not None:
+        raise _locked(what, holder)
+
+
+def _locked(what: str, holder: Holder | None) -> RunLockedError:
+    """``what`` ('run X', 'sweep Y') is held by a live process."""
     who = holder.describe() if holder else "another process"
-    return RunLockedError(f"run {run_id} is in use by {who}; wait for it to end, or stop that process first (a killed "
-                          "holder frees the run at once)")
+    return RunLockedError(f"{what} is in use by {who}; wait for it to end, or stop that process first (a killed "
+                          "holder frees it at once)")
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -168,9 +191,11 @@ class RunStore:
         return path
 
     def create_run(self, name: str, config_yaml: str, run_id: str | None = None,
-                   preset: str | None = None) -> RunRecord:
-        """A new 'running' record with its resolved config; StateError if ``run_id`` exists already."""
-        record = RunRecord(run_id=run_id or new_run_id(), name=name, preset=preset)
+                   preset: str | None = None, sweep_id: str | None = None) -> RunRecord:
+        """A new record with its resolved config: 'running', or 'pending' for a sweep's run (it starts when the sweep
+        gets to it); StateError if ``run_id`` exists already."""
+        record = RunRecord(run_id=run_id or new_run_id(), name=name, preset=preset, sweep_id=sweep_id,
+                           status="pending" if sweep_id else "running")
         folder = self.layout.run_dir(record.run_id)
         try:
             folder.mkdir(parents=True)
@@ -227,39 +252,37 @@ class RunStore:
     @contextmanager
     def hold(self, run_id: str, purpose: str) -> Iterator[ActiveRun]:
         """Be the run's only writer while inside (with a heartbeat); RunLockedError names the live holder."""
-        lock = FileLock(self.layout.run_file(run_id, RUN_LOCK), purpose)
-        try:
-            lock.acquire()
-        except LockBusy as busy:
-            raise _locked(run_id, busy.holder) from None
-        lock.start_heartbeat()
-        try:
+        with _sole_writer(self.layout.run_file(run_id, RUN_LOCK), purpose, f"run {run_id}"):
             yield ActiveRun(self, self.load_run(run_id))
-        finally:
-            lock.release()
 
     def refuse_if_held(self, run_id: str) -> None:
         """RunLockedError naming the live holder of the run, if there is one (a check before starting work)."""
-        holder = self.holder(run_id)
-        if holder is not None:
-            raise _locked(run_id, holder)
+        _refuse_if_held(self.layout.run_file(run_id, RUN_LOCK), f"run {run_id}")
 
     def end_run(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
         """Mark a run that nobody holds any more as ``status`` (Prefect's failure / crash hooks, ``rlhf runs``).
 
         Only a 'running' record changes, and only while no live process holds the run; True when it changed.
         """
-        lock = FileLock(self.layout.run_file(run_id, RUN_LOCK), f"marking run {run_id} {status}")
-        try:
-            self._with_room(lock.acquire)
-        except LockBusy:
-            return False
-        try:
-            record = self.load_run(run_id)
-            if record.status != "running":
+        with self._unheld(self.layout.run_file(run_id, RUN_LOCK), f"marking run {run_id} {status}") as free:
+            record = self.load_run(run_id) if free else None
+            if record is None or record.status != "running":
                 return False
             self._set_status(record, status, error)
             return True
+
+    @contextmanager
+    def _unheld(self, lock_path: Path, purpose: str) -> Iterator[bool]:
+        """Inside: True when no live process held ``lock_path`` (this one holds it now), else False. The lock is taken
+        even on a full disk (the reserve is freed for it)."""
+        lock = FileLock(lock_path, purpose)
+        try:
+            self._with_room(lock.acquire)
+        except LockBusy:
+            yield False
+            return
+        try:
+            yield True
         finally:
             lock.release()
 
@@ -270,6 +293,60 @@ class RunStore:
                                                       f"continue with `rlhf resume {record.run_id}`"):
                 return self.load_run(record.run_id)
         return record
+
+    # ----------------------------------------------------------------------------------------- sweeps
+
+    def sweep_file(self, sweep_id: str, name: str = SWEEP_FILE) -> Path:
+        """A file of the sweep's folder (its record by default; its report and plot beside it)."""
+        return self.layout.sweep_file(sweep_id, name)
+
+    def create_sweep(self, record: SweepRecord) -> SweepRecord:
+        """Write a new sweep's record; StateError if its id exists already."""
+        try:
+            self.layout.sweep_dir(record.sweep_id).mkdir(parents=True)
+        except FileExistsError:
+            raise StateError(f"sweep {record.sweep_id} exists already under {self.layout.sweeps}") from None
+        self._save_sweep(record)
+        return record
+
+    def load_sweep(self, sweep_id: str) -> SweepRecord:
+        """The record of ``sweep_id`` ('latest' = newest); StateError lists the existing ids when it is missing."""
+        try:
+            known = sorted((p.parent.name for p in self.layout.sweeps.glob(f"*/{SWEEP_FILE}")), reverse=True)
+            path = self.layout.sweep_file(known[0] if sweep_id == LATEST and known else sweep_id)
+        except LayoutError as err:
+            raise StateError(str(err)) from None
+        if not path.is_file():
+            listing = ", ".join(known[:20]) if known else "there are no sweeps yet"
+            raise StateError(f"no sweep {sweep_id!r} under {self.layout.sweeps}; existing sweeps (newest first): "
+                             f"{listing}")
+        try:
+            return SweepRecord.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
+            raise StateError(f"{path} is not a valid sweep record ({type(err).__name__}: {err})") from err
+
+    @contextmanager
+    def hold_sweep(self, sweep_id: str, purpose: str) -> Iterator[ActiveSweep]:
+        """Be the sweep's only writer while inside; RunLockedError names the live holder (a second
+        ``rlhf sweep --resume`` of it)."""
+        with _sole_writer(self.layout.sweep_file(sweep_id, RUN_LOCK), purpose, f"sweep {sweep_id}"):
+            yield ActiveSweep(self, self.load_sweep(sweep_id))
+
+    def refuse_sweep_if_held(self, sweep_id: str) -> None:
+        """RunLockedError naming the live holder of the sweep, if there is one."""
+        _refuse_if_held(self.layout.sweep_file(sweep_id, RUN_LOCK), f"sweep {sweep_id}")
+
+    def end_sweep(self, sweep_id: str, status: SweepStatus, error: str | None = None) -> bool:
+        """Mark a sweep nobody holds any more (its flow stopped before it could) as ``status``; True when it changed."""
+        with self._unheld(self.layout.sweep_file(sweep_id, RUN_LOCK), f"marking sweep {sweep_id} {status}") as free:
+            record = self.load_sweep(sweep_id) if free else None
+            if record is None or record.status != "running":
+                return False
+            ActiveSweep(self, record).set_status(status, error)
+            return True
+
+    def _save_sweep(self, record: SweepRecord) -> None:
+        self._with_room(lambda: _write_text(self.layout.sweep_file(record.sweep_id), record.to_json()))
 
     def _set_status(self, record: RunRecord, status: RunStatus, error: str | None = None) -> None:
         """The one place a run's status is written."""
@@ -317,6 +394,21 @@ class RunStore:
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
             raise StateError(f"{path} is not a valid run record ({type(err).__name__}: {err}); delete {path.parent} "
                              "if the run is not needed") from err
+
+
+class ActiveSweep:
+    """A sweep this process holds: the only writer of its record while :meth:`RunStore.hold_sweep` lasts."""
+
+    def __init__(self, store: RunStore, record: SweepRecord) -> None:
+        self.store, self.record = store, record
+
+    def save(self) -> None:
+        self.store._save_sweep(self.record)
+
+    def set_status(self, status: SweepStatus, error: str | None = None) -> None:
+        self.record.status, self.record.error = status, error
+        self.record.ended = None if status == "running" else now_iso()
+        self.save()
 
 
 class ActiveRun:

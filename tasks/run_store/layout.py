@@ -11,6 +11,8 @@ the run store for a run's file or an artifact's folder.
                                     checkpoints a killed stage resumes from, resume/ (the resume state being
                                     written)
       runs/<run_id>/                one run: run.json (the record), config.yaml, summary.json, run.log, lock
+      sweeps/<sweep_id>/            one sweep (``rlhf sweep``): sweep.json (the record: grid, seeds, its runs), lock,
+                                    its report (sweep_report.md / .json) and plot
       cache/models/                 downloads of models:/ URIs given as inputs
       mlflow.db, mlartifacts/       MLflow's SQLite store and artifact root (when no tracking server is set)
       prefect/                      PREFECT_HOME of Prefect's temporary local server
@@ -31,6 +33,7 @@ CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 LOG_FILE = "run.log"
 RUN_LOCK = "lock"
+SWEEP_FILE = "sweep.json"
 RECORD_FILE = "record.json"
 CLAIM_LOCK = "claim.lock"
 STAGING = "out"
@@ -64,6 +67,10 @@ class Layout:
     @property
     def runs(self) -> Path:
         return self.root / "runs"
+
+    @property
+    def sweeps(self) -> Path:
+        return self.root / "sweeps"
 
     @property
     def artifacts(self) -> Path:
@@ -126,6 +133,13 @@ class Layout:
 
     def run_file(self, run_id: str, name: str = RUN_FILE) -> Path:
         return self.run_dir(run_id) / name
+
+    # --- sweeps
+    def sweep_dir(self, sweep_id: str) -> Path:
+        return self.sweeps / checked_name(sweep_id, "sweep id")
+
+    def sweep_file(self, sweep_id: str, name: str = SWEEP_FILE) -> Path:
+        return self.sweep_dir(sweep_id) / name
 
     def relative(self, path: str | os.PathLike[str]) -> str:
         """``path`` relative to the root (POSIX separators), for records; ValueError when it lies outside."""

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from tasks.run_store.locks import now_iso
 
-RunStatus = Literal["running", "completed", "failed", "crashed"]
+RunStatus = Literal["pending", "running", "completed", "failed", "crashed"]
 StageStatus = Literal["running", "completed", "failed"]
-RUN_STATUSES = ("running", "completed", "failed", "crashed")
+RUN_STATUSES = ("pending", "running", "completed", "failed", "crashed")
 
 
 def new_run_id(when: datetime | None = None, suffix: str | None = None) -> str:
@@ -62,7 +62,8 @@ class RunRecord:
     created: str = field(default_factory=now_iso)
     """UTC ISO creation time."""
     status: RunStatus = "running"
-    """running / completed / failed / crashed (killed without a word; found by ``rlhf runs``)."""
+    """running / completed / failed / crashed (killed without a word; found by ``rlhf runs``); pending: created by a
+    sweep, not started yet."""
     error: str | None = None
     """One line on why it failed or crashed."""
     ended: str | None = None
@@ -77,6 +78,8 @@ class RunRecord:
     """Overrides given to ``rlhf resume`` after the start ({'time', 'overrides'})."""
     stages: dict[str, StageEntry] = field(default_factory=dict)
     """Label -> entry, in the order stages started."""
+    sweep_id: str | None = None
+    """The sweep this run is a cell of (``rlhf sweep``), or None."""
 
     def rerun_of(self, label: str, stage: str) -> int:
         """The rerun number that enters the key of ``label`` (a label's own, else its stage's)."""

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 RUN_ID_TAG = "rlhf.run_id"
 KIND_TAG = "rlhf.kind"
 STAGE_TAG = "rlhf.stage"
+SWEEP_TAG = "rlhf.sweep_id"
+PARENT_TAG = "mlflow.parentRunId"
+"""MLflow's own tag: the UI shows a run with it nested under that run."""
 TRUNCATED = "...[truncated]"
 
 
@@ -42,11 +45,28 @@ def pipeline_run(experiment: str, rlhf_run_id: str, run_name: str, params: Mappi
     Ends FINISHED, or FAILED on an error. Finding it by tag makes a retry or resume of the run continue the same
     parent even if the first attempt died before it could record the id.
     """
+    with _tagged_run(experiment, "pipeline", RUN_ID_TAG, rlhf_run_id, run_name, params, tags, amended) as run_id:
+        yield run_id
+
+
+@contextmanager
+def sweep_run(experiment: str, sweep_id: str, run_name: str, params: Mapping[str, object] | None = None,
+              tags: Mapping[str, str] | None = None) -> Iterator[str]:
+    """The parent run of sweep ``sweep_id`` (found by its tag, or started), under which each of the sweep's pipeline
+    runs is nested; yields its MLflow id. Ends FINISHED, or FAILED on an error (a resume continues it)."""
+    with _tagged_run(experiment, "sweep", SWEEP_TAG, sweep_id, run_name, params, tags) as run_id:
+        yield run_id
+
+
+@contextmanager
+def _tagged_run(experiment: str, kind: str, id_tag: str, identity: str, run_name: str,
+                params: Mapping[str, object] | None, tags: Mapping[str, str] | None,
+                amended: bool = False) -> Iterator[str]:
+    """The top-level run of kind ``kind`` whose ``id_tag`` is ``identity``: found by those tags, or started."""
     experiment_id = ensure_experiment(experiment)
-    client = MlflowClient()
-    found = client.search_runs([experiment_id], f"tags.`{RUN_ID_TAG}` = '{rlhf_run_id}' and "
-                                                f"tags.`{KIND_TAG}` = 'pipeline'", max_results=1)
-    all_tags = {KIND_TAG: "pipeline", RUN_ID_TAG: rlhf_run_id, **(tags or {})}
+    found = MlflowClient().search_runs([experiment_id], f"tags.`{id_tag}` = '{identity}' and "
+                                                        f"tags.`{KIND_TAG}` = '{kind}'", max_results=1)
+    all_tags = {KIND_TAG: kind, id_tag: identity, **(tags or {})}
     if found:
         started = mlflow.start_run(run_id=found[0].info.run_id, tags=all_tags)
     else:

@@ -19,8 +19,12 @@ def test_ppo_in_a_few_lines_imports_as_written():
     exec(compile(imports, "README.md", "exec"), {})
 
 
+#: ``rlhf sweep --grid KEY=V1,V2`` examples: each value is an override of its own.
+GRIDS = re.findall(r"--grid ((?:[a-z_]+\.)+[a-z_]+)=([^\s`]+)", README)
 EXAMPLES = sorted(set(re.findall(r"`((?:[a-z_]+\.)+[a-z_]+=[^`\s]+)`", README)) |
-                  {m for m in re.findall(r"(?<=\s)((?:[a-z_]+\.)+[a-z_]+=[^\s`]+)", README) if "/" not in m})
+                  {m for m in re.findall(r"(?<=\s)((?:[a-z_]+\.)+[a-z_]+=[^\s`]+)", README) if "/" not in m}
+                  - {f"{key}={values}" for key, values in GRIDS}
+                  | {f"{key}={value}" for key, values in GRIDS for value in values.split(",")})
 
 
 #: Settings the README shows next to an example that needs them.
@@ -38,3 +42,4 @@ def test_every_config_example_in_the_readme_loads(override: str):
 
 def test_the_examples_were_found():
     assert {"ppo.kl.coef=0.1", "sft.learning_rate=2e-3", "ppo.iterations=5"} <= set(EXAMPLES)
+    assert GRIDS and {"ppo.learning_rate=1e-4", "ppo.learning_rate=3e-4"} <= set(EXAMPLES)

@@ -1,0 +1,166 @@
+"""What ``rlhf sweep`` will run, decided and checked before any run exists: the grid, the seeds, the cells (one ordinary
+run per setting and seed) and the metric that names the winner.
+
+Refused in one line, before anything is created: an unknown key or an invalid value (as ``rlhf run`` refuses it), a
+key given twice, ``seed`` in the grid (``--seeds`` says them), a key that enters no stage (runs differing only there
+would compute the same things), and any selection metric that reads gold, which only evaluates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.config import ConfigError, PipelineConfig, resolve_config
+from tasks.run_store.keys import canonical
+from tasks.typed_yaml import one_line
+
+NOT_IN_GRID = {"seed": "give seeds with --seeds (e.g. --seeds 0,1,2)",
+               "state_dir": "a sweep's runs share one state folder: give it with --state-dir"}
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A metric of a run's final policy that ``--select`` may rank settings by (higher is better)."""
+
+    name: str
+    summary_key: str
+    """Where it is in a run's summary: a key of ``iterations[-1]`` (the last evaluation's metrics)."""
+    description: str
+
+
+SELECTORS = {s.name: s for s in (
+    Selector("heldout", "eval/heldout/mean", "the held-out reward model's mean score of the final policy's replies"),
+    Selector("heldout_win_rate", "eval/win_rate/heldout",
+             "how often the held-out reward model prefers the final policy's reply to the SFT policy's"),
+    Selector("proxy", "eval/proxy/mean", "the proxy reward model's mean score (what PPO optimised: easy to hack)"),
+)}
+DEFAULT_SELECT = "heldout"
+
+
+def selector(name: str) -> Selector:
+    """The ``--select`` metric; ConfigError in one line for gold (evaluation only) or an unknown name."""
+    if "gold" in name.lower():
+        raise ConfigError(f"--select {name}: gold is evaluation-only and never chooses settings (not even through the "
+                          f"hacking verdict); select on the held-out reward model: {', '.join(SELECTORS)}")
+    if name not in SELECTORS:
+        raise ConfigError(f"--select {name!r} is not a metric a sweep selects on; choose one of {', '.join(SELECTORS)}")
+    return SELECTORS[name]
+
+
+def split_values(text: str) -> list[str]:
+    """``'0.1,0.2'`` -> ['0.1', '0.2']; commas inside brackets or quotes stay (``'[1,2],[3]'`` -> two values)."""
+    values, depth, quote, current = [], 0, "", []
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            values.append("".join(current).strip())
+            current = []
+            continue
+        current.append(char)
+    values.append("".join(current).strip())
+    return values
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
+    """``--grid KEY=V1,V2`` items -> {key: [values]}, in the order given."""
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        values = split_values(text) if sep else []
+        if not key or not values or any(not v for v in values):
+            raise ConfigError(f"--grid {one_line(item)!r}: write KEY=V1,V2[,...] (e.g. --grid ppo.kl.coef=0.02,0.05)")
+        if key in grid:
+            raise ConfigError(f"--grid gives {key} twice; list all its values in one --grid {key}=...")
+        if key in NOT_IN_GRID:
+            raise ConfigError(f"--grid {key}: {NOT_IN_GRID[key]}")
+        if len(set(values)) != len(values):
+            raise ConfigError(f"--grid {key} lists a value twice ({one_line(text)}); each setting runs once")
+        grid[key] = values
+    if not grid:
+        raise ConfigError("give at least one --grid KEY=V1,V2 (the settings to compare)")
+    return grid
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``'0,1,2'`` -> [0, 1, 2] (distinct integers >= 0)."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds {one_line(text)!r}: write whole numbers separated by commas, e.g. --seeds 0,1,2") \
+            from None
+    if any(seed < 0 for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {one_line(text)!r}: each seed once, each >= 0")
+    return seeds
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """One run to create: a setting of the grid at a seed, with its resolved config."""
+
+    setting: dict[str, str]
+    seed: int
+    overrides: list[str]
+    """What the run is resolved from after the preset and file: the shared overrides, the setting, the seed."""
+    config: PipelineConfig
+
+
+def plan_cells(config_file: str | None, preset: str | None, overrides: Sequence[str], grid: Mapping[str, list[str]],
+               seeds: Sequence[int]) -> list[CellPlan]:
+    """Every cell, seed by seed (a seed's shared stages are computed by its first cell and reused by the others),
+    each config resolved as ``rlhf run`` would (a bad key or value is refused here, naming the cell's override).
+    :func:`refuse_inert_keys` is the next check (it imports the flow, so it comes after Prefect is configured)."""
+    shared = {item.partition("=")[0].strip() for item in overrides}
+    both = sorted(shared & set(grid))
+    if both:
+        raise ConfigError(f"{', '.join(both)} given both as --grid and as KEY=VALUE; keep it in --grid only")
+    if "seed" in shared:
+        raise ConfigError("seed given as KEY=VALUE; a sweep's seeds are --seeds (e.g. --seeds 0,1,2)")
+    keys = list(grid)
+    cells = []
+    for seed in seeds:
+        for values in itertools.product(*(grid[k] for k in keys)):
+            setting = dict(zip(keys, values, strict=True))
+            cell_overrides = [*overrides, *(f"{k}={v}" for k, v in setting.items()), f"seed={seed}"]
+            cells.append(CellPlan(setting, seed, cell_overrides, resolve_config(config_file, preset, cell_overrides)))
+    return cells
+
+
+def refuse_inert_keys(cells: Sequence[CellPlan]) -> None:
+    """ConfigError for a grid key none of whose values changes any stage's config slice (at the first seed, the other
+    keys at their first values): runs that differ only there would compute the same things."""
+    from flows.pipeline import stage_configs  # the flow knows which stages run
+
+    first_seed, keys = cells[0].seed, list(cells[0].setting)
+    for key in keys:
+        others = {k: v for k, v in cells[0].setting.items() if k != key}
+        varying = [c for c in cells if c.seed == first_seed and all(c.setting[k] == v for k, v in others.items())]
+        slices = [_canonical_slices(stage_configs(c.config)) for c in varying]
+        if len(slices) > 1 and all(s == slices[0] for s in slices[1:]):
+            raise ConfigError(f"--grid {key}: it enters no stage (every stage gets the same settings whatever its "
+                              "value, so the runs would compute the same things); sweep a setting a stage reads")
+
+
+def _canonical_slices(slices: Mapping[str, Any]) -> dict[str, Any]:
+    return {label: canonical(config) for label, config in slices.items()}
+
+
+def setting_label(setting: Mapping[str, str]) -> str:
+    """``ppo.kl.coef=0.1 ppo.learning_rate=3e-4``: how a setting is named in tables, plots and MLflow."""
+    return " ".join(f"{k}={v}" for k, v in setting.items())
+
+
+def absolute_config(config_file: str | None) -> str | None:
+    """The config file as an absolute path (a resumed sweep may run from another folder)."""
+    return str(Path(config_file).resolve()) if config_file else None

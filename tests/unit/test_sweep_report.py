@@ -1,0 +1,76 @@
+"""`rlhf sweep`'s grid parsing, selection rule and report, on hand-made run summaries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flows.sweep_plan import parse_grid, parse_seeds, selector, split_values
+from flows.sweep_report import build_report, report_markdown, report_text, winner_metrics
+from tasks.config import ConfigError
+
+
+def test_grid_values_split_on_top_level_commas_only() -> None:
+    assert split_values("0.1,0.2, 3e-4") == ["0.1", "0.2", "3e-4"]
+    assert split_values("[1,2],[3]") == ["[1,2]", "[3]"]
+    assert split_values('"a,b",c') == ['"a,b"', "c"]
+    assert parse_grid(["ppo.kl.coef=0.1,0.2", "ppo.lam=1.0"]) == {"ppo.kl.coef": ["0.1", "0.2"], "ppo.lam": ["1.0"]}
+    assert parse_seeds("3,4,5") == [3, 4, 5]
+
+
+@pytest.mark.parametrize("name", ["gold", "eval/gold/mean", "win_rate_gold", "GOLD"])
+def test_gold_is_never_a_selection_metric(name: str) -> None:
+    with pytest.raises(ConfigError, match="gold is evaluation-only and never chooses settings"):
+        selector(name)
+
+
+def summary(seed: int, heldout: float, gold: float, kl: float, heldout_status: str = "ok",
+            status: str = "ok") -> dict:
+    final = {"eval/proxy/mean": heldout + 1, "eval/heldout/mean": heldout, "eval/gold/mean": gold, "eval/kl/mean": kl,
+             "eval/length/mean": 30.0, "eval/win_rate/heldout": 0.5}
+    best = [{"n": n, "kl": math.log(n) - (n - 1) / n, "proxy": 1.0 + n / 16, "heldout": 0.5 + n / 32,
+             "gold": 1.0 + seed + n / 16} for n in (1, 16)]
+    return {"seed": seed, "status": status, "heldout_status": heldout_status, "iterations": [final], "best_of_n": best}
+
+
+def cell(setting: str, seed: int, done: dict | None, run_id: str) -> dict:
+    key, value = setting.split("=")
+    return {"setting": {key: value}, "seed": seed, "run_id": run_id,
+            "status": "completed" if done else "failed", "summary": done}
+
+
+def test_the_winner_is_chosen_on_the_heldout_rm_leaving_out_runs_its_verdict_does_not_pass() -> None:
+    """Setting a: held-out 1.0 and 3.0, but the 3.0 run is flagged by the held-out verdict -> 1.0 counts.
+    Setting b: held-out 2.0 and 1.6 -> 1.8 wins, although a's gold (5.0) is far higher: gold never chooses.
+    Setting d: held-out 9.0, but its held-out verdict warns (say, KL past the budget): not eligible."""
+    cells = [cell("k=a", 0, summary(0, 1.0, 5.0, 2.0), "r1"),
+             cell("k=a", 1, summary(1, 3.0, 5.0, 4.0, heldout_status="hacking"), "r2"),
+             cell("k=b", 0, summary(0, 2.0, 1.0, 1.0, status="hacking"), "r3"),
+             cell("k=b", 1, summary(1, 1.6, 1.0, 3.0), "r4"),
+             cell("k=c", 0, None, "r5"),
+             cell("k=d", 0, summary(0, 9.0, 1.0, 30.0, heldout_status="warn"), "r6")]
+    report = build_report("S", selector("heldout"), cells)
+    rows = {r["setting"]: r for r in report["settings"]}
+    assert report["winner"] == "k=b" and report["failed"] == ["r5"]
+    assert rows["k=a"]["select"] == (1.0, 0.0) and rows["k=a"]["heldout"][0] == pytest.approx(2.0)
+    assert rows["k=a"]["heldout"][1] == pytest.approx(math.sqrt(2))  # sample sd of 1.0 and 3.0
+    assert rows["k=b"]["select"][0] == pytest.approx(1.8) and rows["k=b"]["kl"] == (2.0, pytest.approx(math.sqrt(2)))
+    assert (rows["k=a"]["hacking_heldout"], rows["k=a"]["hacking_gold"]) == (1, 0)
+    assert (rows["k=b"]["hacking_heldout"], rows["k=b"]["hacking_gold"]) == (0, 1)
+    assert rows["k=c"]["completed"] == 0 and rows["k=c"]["select"] is None and rows["k=c"]["heldout"] is None
+    assert rows["k=d"]["select"] is None and rows["k=d"]["warn_heldout"] == 1
+    # best-of-N: each seed's points once, averaged: gold at n=16 is (1 + 0 + 1) and (1 + 1 + 1) -> 2.5
+    best16 = report["best_of_n"][-1]
+    assert best16["n"] == 16 and best16["gold"] == (2.5, pytest.approx(math.sqrt(0.5))) and best16["seeds"] == 2
+    assert winner_metrics(report)["sweep/winner/heldout"] == pytest.approx(1.8)
+    markdown, text = report_markdown(report), report_text(report)
+    assert "`k=b` **(winner)**" in markdown and "| `k=a` | 2/2 |" in markdown and "1 / 0 | 0 |" in markdown
+    assert "rlhf sweep --resume S" in markdown and "winner by heldout" in text and "k=b" in text.splitlines()[-2]
+
+
+def test_no_eligible_setting_names_no_winner() -> None:
+    cells = [cell("k=a", 0, summary(0, 1.0, 1.0, 1.0, heldout_status="hacking"), "r1")]
+    report = build_report("S", selector("heldout"), cells)
+    assert report["winner"] is None and winner_metrics(report) == {}
+    assert "none (no eligible run)" in report_markdown(report)
