@@ -1,104 +1,171 @@
-"""PPO, GRPO, RLOO, REINFORCE++, DPO and best-of-16 on the demo task, side by side.
+"""PPO, GRPO, RLOO, REINFORCE++ and DPO on the demo task, tuned and compared by one protocol, through `rlhf sweep`.
 
-    .venv/bin/python -m benchmarks.methods.run --seeds 0 1 2            # ~50 min, one run at a time
-    .venv/bin/python -m benchmarks.methods.run --seeds 0 --preset tiny  # a smoke run of every method (~3 min)
+    .venv/bin/python -m benchmarks.methods.run tune --seeds 0,1,2        # choose each method's settings (hours)
+    .venv/bin/python -m benchmarks.methods.run report --seeds 3,4,5,6,7  # gold on seeds never looked at (~1 h)
+    .venv/bin/python -m benchmarks.methods.run report --seeds 0 --preset tiny   # a smoke run of every method
 
-Every run is ``rlhf demo --seed N`` (or ``rlhf run --preset P``) with one method's settings, all sharing one state
-folder, so a seed's data, SFT policy, reward models and best-of-N baseline are computed once and every method of
-that seed starts from the same SFT policy and is judged by the same held-out reward model and gold scorer. Each
-run's ``summary.json`` gives the final policy's gold, held-out score, KL to the SFT policy and gold win rate;
-``/usr/bin/time`` gives its wall time and peak RSS (of a run whose shared stages were cached: the method's own
-stages). Best-of-16 is the baseline every run computes. Prints JSON, writes ``benchmarks/results/methods.json``
-and draws gold against KL (the over-optimisation plot's axes) to ``benchmarks/results/methods.png``.
+The protocol:
+
+1. **Tune** (``tune``): each method's grids (``TUNING``) run as `rlhf sweep` on the tuning seeds, round after round:
+   a round's grid sits on top of the settings the earlier rounds chose. The sweep names the winner by the held-out
+   reward model's final mean over seeds (``--select heldout``), leaving out runs its verdict flags as hacking; gold is
+   never read for this. The chosen settings are written to ``benchmarks/results/methods_tuning.json``.
+2. **Report** (``report``): each method's chosen settings (``METHODS``, copied from the tuning result; the demo
+   preset holds PPO's and DPO's) run on seeds that tuning never saw, with more evaluation prompts. Every run also
+   computes best-of-N from its seed's SFT policy. Gold is read here for the first time: mean and standard error over
+   seeds, and the paired difference to best-of-16 and to DPO at the same seed (the same SFT policy, prompts and
+   judges), with its standard error.
+
+All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
+JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, default_out, machine, write_result
 
+#: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; the critic-free
+#: estimators were not tuned yet: they run at the PPO rate of the preset before tuning.
 METHODS: dict[str, list[str]] = {
     "ppo": [],
-    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.whiten_advantages=false"],
-    "rloo": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4", "ppo.whiten_advantages=false"],
-    "reinforce_pp": ["ppo.advantage=reinforce_pp"],
+    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.learning_rate=1e-4"],
+    "rloo": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4", "ppo.learning_rate=1e-4"],
+    "reinforce_pp": ["ppo.advantage=reinforce_pp", "ppo.learning_rate=1e-4"],
     "dpo": ["method=dpo"],
 }
-"""Each method's settings on top of the preset: the same rollouts per update (64 in the demo), learning rate and KL
-leash (k1 in the reward, coef 0.05) as PPO; GRPO and RLOO sample 4 replies per prompt (16 prompts per update). DPO
-trains offline on the reward model's training pairs (the preset's ``dpo`` section)."""
+#: Per method: its fixed settings, then the grids tuned round after round (each on top of the earlier winners).
+TUNING: dict[str, dict[str, Any]] = {
+    "ppo": {"fixed": [], "rounds": [
+        {"ppo.learning_rate": ["1e-4", "2e-4"], "ppo.critic_warmup_updates": ["0", "3"]},
+    ]},
+    "dpo": {"fixed": ["method=dpo"], "rounds": [
+        {"dpo.beta": ["0.1", "0.3", "0.5"]},
+    ]},
+    "grpo": {"fixed": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4"], "rounds": [
+        {"ppo.learning_rate": ["1e-4", "2e-4"]},
+    ]},
+    "rloo": {"fixed": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4"], "rounds": [
+        {"ppo.learning_rate": ["1e-4", "2e-4"]},
+    ]},
+    "reinforce_pp": {"fixed": ["ppo.advantage=reinforce_pp"], "rounds": [
+        {"ppo.learning_rate": ["1e-4", "2e-4"]},
+    ]},
+}
+#: Evaluation prompts of every tuning run: more than the demo's 128 (less noise in the choice) ...
+TUNE_EVAL_PROMPTS = 256
+#: ... and of every report run: more again, so that a gap of a few tenths of gold is beyond two standard errors.
+REPORT_EVAL_PROMPTS = 512
 BEST_OF = 16
 
 
-def _command(preset: str, seed: int, state: Path, overrides: list[str]) -> list[str]:
-    cli = [sys.executable, "-m", "flows.cli"]
-    if preset == "demo":
-        return [*cli, "demo", "--seed", str(seed), "--state-dir", str(state), *overrides]
-    return [*cli, "run", "--preset", preset, "--state-dir", str(state), f"seed={seed}", *overrides]
-
-
-def run_one(method: str, seed: int, preset: str, state: Path, logs: Path) -> dict[str, Any]:
-    """One pipeline run; its summary's headline numbers, wall time and peak RSS."""
-    log = logs / f"{method}-seed{seed}.log"
-    rss_file = logs / f"{method}-seed{seed}.rss"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
-           "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_HOME": str(state / f"prefect-{method}-{seed}")}
-    command = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *_command(preset, seed, state, METHODS[method])]
-    started = time.monotonic()
+def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
+          log: Path) -> dict[str, Any]:
+    """One `rlhf sweep`; its report (``sweep_report.json``)."""
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
+           "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    grids = [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
+    command = [sys.executable, "-m", "flows.cli", "sweep", "--preset", preset, "--state-dir", str(state),
+               "--seeds", seeds, *grids, *overrides]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-    wall = time.monotonic() - started
-    if code != 0:
-        return {"method": method, "seed": seed, "failed": f"exit {code}; see {log}"}
-    run_line = next(line for line in log.read_text().splitlines() if line.startswith("summary: "))
-    summary = json.loads(Path(run_line.removeprefix("summary: ").strip()).read_text())
-    final = summary["policies"]["final"]
-    sft = summary["policies"]["sft"]
-    last = summary["iterations"][-1]
-    best = next(row for row in summary["best_of_n"] if row["n"] == BEST_OF)
-    return {
-        "method": method, "seed": seed, "run_id": summary["run_id"], "status": summary["status"],
-        "gold": final["gold"], "heldout": final["heldout"], "kl": final["kl"], "proxy": final["proxy"],
-        "gold_sft": sft["gold"], "win_rate_gold": last["eval/win_rate/gold"],
-        "best_of_16": {"gold": best["gold"], "heldout": best["heldout"], "kl": best["kl"]},
-        "wall_s": round(wall, 1), "peak_rss_mib": round(int(rss_file.read_text().split()[-1]) / 1024, 1),
-    }
+    line = next((ln for ln in log.read_text().splitlines() if ln.startswith("report: ")), None)
+    if line is None:
+        raise RuntimeError(f"`rlhf sweep` ended with exit {code} and no report; see {log}")
+    return json.loads(Path(line.removeprefix("report: ").strip()).with_suffix(".json").read_text())
 
 
-def aggregate(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Mean and standard deviation over seeds per method, and best-of-16 from the PPO runs' baselines."""
-    table: dict[str, dict[str, float]] = {}
+def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
+    """Each method's rounds; returns {method: {"settings": [...], "rounds": [reports]}}."""
+    chosen: dict[str, Any] = {}
+    for method in args.methods:
+        spec, rounds = TUNING[method], []
+        settings = dict(item.split("=", 1) for item in spec["fixed"])
+        for r, grid in enumerate(spec["rounds"], 1):
+            shared = [f"{k}={v}" for k, v in settings.items() if k not in grid]  # the round's grid decides its keys
+            report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
+                           logs / f"tune-{method}-round{r}.log")
+            rounds.append(report)
+            if report["winner"] is None:
+                raise RuntimeError(f"{method} round {r}: no eligible setting (every run flagged by the held-out RM)")
+            settings.update(item.split("=", 1) for item in report["winner"].split(" "))
+            print(json.dumps({"method": method, "round": r, "winner": report["winner"]}), file=sys.stderr, flush=True)
+        chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
+    return chosen
+
+
+def report(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
+    """Each method's chosen settings on the report seeds; every run's final numbers and its seed's best-of-N."""
+    rows = []
+    for method in args.methods:
+        key, value = ("method", "dpo") if method == "dpo" else ("ppo.advantage", _advantage(METHODS[method]))
+        overrides = [o for o in METHODS[method] if not o.startswith(f"{key}=")]
+        result = sweep(args.preset, state, args.seeds, {key: [value]}, [*overrides, *args.eval],
+                       logs / f"report-{method}.log")
+        for run in result["runs"]:
+            rows.append({"method": method, **_run_row(state, run)})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"runs": rows, "table": aggregate(rows)}
+
+
+def _advantage(overrides: list[str]) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("ppo.advantage=")), "gae")
+
+
+def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """A run's final gold, held-out, proxy, KL, verdicts and its seed's best-of-16, from its summary."""
+    summary_file = state / "runs" / run["run_id"] / "summary.json"
+    if run["status"] != "completed" or not summary_file.is_file():
+        return {"seed": run["seed"], "run_id": run["run_id"], "failed": run["status"]}
+    summary = json.loads(summary_file.read_text())
+    final, best = summary["iterations"][-1], next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
+    return {"seed": run["seed"], "run_id": run["run_id"], "gold": final["eval/gold/mean"],
+            "heldout": final["eval/heldout/mean"], "proxy": final["eval/proxy/mean"], "kl": final["eval/kl/mean"],
+            "length": final["eval/length/mean"], "win_rate_gold": final["eval/win_rate/gold"],
+            "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
+            "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
+            "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")}}
+
+
+def mean_se(values: list[float]) -> dict[str, float]:
+    """Mean, sample sd and standard error over seeds."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "se": sd / math.sqrt(len(values)), "n": len(values)}
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method: mean / sd / se over seeds of gold, held-out, KL; hacking counts; the paired gold difference to
+    best-of-16 and to DPO at the same seed. Best-of-16 once per seed (from any method's run of that seed)."""
     ok = [r for r in rows if "failed" not in r]
-    groups = {m: [r for r in ok if r["method"] == m] for m in dict.fromkeys(r["method"] for r in ok)}
-    groups[f"best-of-{BEST_OF}"] = [r["best_of_16"] for r in ok if r["method"] == "ppo"]
-    for method, group in groups.items():
-        if not group:
-            continue
-        row = {"seeds": len(group)}
-        for key in ("gold", "heldout", "kl", "win_rate_gold", "wall_s", "peak_rss_mib"):
-            if key not in group[0]:
-                continue  # best-of-N has no training run of its own
-            values = [g[key] for g in group]
-            row[key] = statistics.fmean(values)
-            row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        table[method] = row
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    best = {r["seed"]: r["best_of_16"] for r in ok}
+    dpo = {r["seed"]: r["gold"] for r in ok if r["method"] == "dpo"}
+    table: dict[str, Any] = {}
+    for method in methods:
+        group = [r for r in ok if r["method"] == method]
+        entry = {key: mean_se([r[key] for r in group]) for key in ("gold", "heldout", "proxy", "kl", "length")}
+        entry["hacking_gold"] = sum(r["status"] == "hacking" for r in group)
+        entry["hacking_heldout"] = sum(r["heldout_status"] == "hacking" for r in group)
+        entry["gold_minus_best_of_16"] = mean_se([r["gold"] - best[r["seed"]]["gold"] for r in group])
+        if method != "dpo" and all(r["seed"] in dpo for r in group):
+            entry["gold_minus_dpo"] = mean_se([r["gold"] - dpo[r["seed"]] for r in group])
+        table[method] = entry
+    table[f"best-of-{BEST_OF}"] = {key: mean_se([b[key] for b in best.values()]) for key in ("gold", "heldout", "kl")}
     return table
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Gold against KL to the SFT policy, one marker per run; best-of-16 as the baseline."""
+    """Gold against KL to the SFT policy, one marker per run; best-of-16 per seed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -108,14 +175,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for method in dict.fromkeys(r["method"] for r in ok):
         group = [r for r in ok if r["method"] == method]
         ax.scatter([r["kl"] for r in group], [r["gold"] for r in group], label=method, s=40)
-    best = [r["best_of_16"] for r in ok if r["method"] == "ppo"]
-    ax.scatter([b["kl"] for b in best], [b["gold"] for b in best], label=f"best-of-{BEST_OF}", marker="x", s=60)
-    sft = [r["gold_sft"] for r in ok if r["method"] == "ppo"]
-    if sft:
-        ax.axhline(statistics.fmean(sft), color="grey", linestyle=":", label="SFT (mean)")
+    best = {r["seed"]: r["best_of_16"] for r in ok}
+    ax.scatter([b["kl"] for b in best.values()], [b["gold"] for b in best.values()], label=f"best-of-{BEST_OF}",
+               marker="x", s=60, color="black")
     ax.set_xlabel("KL to the SFT policy (nats per reply)")
     ax.set_ylabel("gold score of the final policy")
-    ax.set_title("Methods on the demo task: gold vs KL")
+    ax.set_title("Methods on the demo task, report seeds: gold vs KL")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -123,32 +188,34 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("phase", choices=["tune", "report"])
+    parser.add_argument("--seeds", default=None, help="comma-separated (default: 0,1,2 to tune, 3,4,5,6,7 to report)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="runs at a time after a seed's first (1 torch thread each; they share one SQLite store)")
     parser.add_argument("--state-dir", type=Path, default=None, help="shared state folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--eval-prompts", type=int, default=None,
+                        help=f"evaluation prompts per run (default {TUNE_EVAL_PROMPTS} to tune, {REPORT_EVAL_PROMPTS} to "
+                             "report; another preset keeps its own)")
     args = parser.parse_args(argv)
+    args.seeds = args.seeds or ("0,1,2" if args.phase == "tune" else "3,4,5,6,7")
     smoke = args.preset != "demo"
+    prompts = args.eval_prompts or (TUNE_EVAL_PROMPTS if args.phase == "tune" else REPORT_EVAL_PROMPTS)
+    args.eval = [] if smoke and args.eval_prompts is None else [f"data.demo.n_eval_prompts={prompts}",
+                                                                 f"eval.n_prompts={prompts}"]
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="rlhf-methods-"))
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    for seed in args.seeds:
-        # The first method of a seed computes the shared stages alone; the others then reuse them, in parallel.
-        first, *rest = args.methods
-        rows.append(run_one(first, seed, args.preset, state, logs))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        with ThreadPoolExecutor(args.parallel) as pool:
-            for row in pool.map(lambda m, s=seed: run_one(m, s, args.preset, state, logs), rest):
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+    payload: dict[str, Any] = {"machine": machine(), "preset": args.preset, "phase": args.phase, "seeds": args.seeds,
+                               "state_dir": str(state)}
+    if args.phase == "tune":
+        payload |= {"tuning": TUNING, "eval": args.eval, "chosen": tune(args, state, logs)}
+        write_result(payload, args.out or default_out("methods_tuning", smoke))
+        return
+    payload |= {"methods": {m: METHODS[m] for m in args.methods}, "eval": args.eval, **report(args, state, logs)}
     out = args.out or default_out("methods", smoke)
-    plot(rows, out.with_suffix(".png"))
-    write_result({"machine": machine(), "preset": args.preset, "methods": {m: METHODS[m] for m in args.methods},
-                  "runs": rows, "table": aggregate(rows), "state_dir": str(state)}, out)
+    plot(payload["runs"], out.with_suffix(".png"))
+    write_result(payload, out)
 
 
 if __name__ == "__main__":
