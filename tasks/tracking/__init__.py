@@ -20,7 +20,8 @@ from tasks.tracking.runs import MetricSender, TrackingUnavailable
 from tasks.tracking.setup import (check_server, configure_tracking, ensure_experiment, keep_credentials_out,
                                   rebase_local_store, without_credentials)
 
-__all__ = ["ArtifactReference", "KIND_TAG", "PARENT_TAG", "RUN_ID_TAG", "STAGE_TAG", "SWEEP_TAG", "sweep_run", "ModelRef", "StageTracker", "configure_tracking", "end_run",
+__all__ = ["ArtifactReference", "KIND_TAG", "PARENT_TAG", "RUN_ID_TAG", "STAGE_TAG", "SWEEP_TAG", "ModelRef",
+           "StageTracker", "configure_tracking", "end_run", "sweep_run",
            "ensure_experiment", "get_alias_version", "is_transient_error", "log_figure", "log_file", "log_metrics",
            "log_params_flat", "logged_keys", "model_identity", "parse_model_uri", "pipeline_run", "rebase_local_store",
            "register_model", "replay_metrics", "resolve_model_uri", "set_alias", "set_description", "set_run_name",

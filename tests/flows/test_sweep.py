@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from mlflow import MlflowClient
 from flows.cli import main
 from flows.sweep import REPORT_JSON, REPORT_MD
 from tasks.run_store import RunStore
+from tests.flows.live_prefect import wait_for
 from tests.flows.test_kill_resume import rlhf, rlhf_env
 
 GRID = ["--grid", "ppo.kl.coef=0.02,0.2"]
@@ -108,15 +108,11 @@ def test_a_bad_sweep_is_refused_in_one_line_before_any_run_exists(tmp_path, caps
     assert not list(state_dir.glob("runs/*")) and not list(state_dir.glob("sweeps/*"))
 
 
-def wait_for(predicate, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if process.poll() is not None:
-            pytest.fail(f"the sweep ended (exit {process.returncode}) before it could be killed")
-        time.sleep(0.05)
-    pytest.fail("timed out waiting for the sweep")
+def still_running(process: subprocess.Popen, predicate) -> bool:
+    """``predicate()``, failing the test when the sweep ended before it became true (nothing left to kill)."""
+    if process.poll() is not None and not predicate():
+        pytest.fail(f"the sweep ended (exit {process.returncode}) before it could be killed")
+    return predicate()
 
 
 @pytest.mark.slow
@@ -127,8 +123,10 @@ def test_a_killed_sweep_resumes_keeping_finished_runs_and_continuing_the_rest(tm
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     try:  # killed while the second run trains: the first is complete, the second has a checkpoint
-        wait_for(lambda: len(list(state.glob("runs/*/summary.json"))) == 1
-                 and any(state.glob("work/ppo-iteration/*/checkpoints/latest")), process)
+        ready = lambda: (len(list(state.glob("runs/*/summary.json"))) == 1  # noqa: E731
+                         and any(state.glob("work/ppo-iteration/*/checkpoints/latest")))
+        wait_for("the first run complete and the second checkpointed", lambda: still_running(process, ready),
+                 timeout=600, interval=0.05)
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
