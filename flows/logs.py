@@ -43,11 +43,50 @@ def quiet_libraries() -> None:
 
 def console_logging() -> None:
     """The CLI's console: our lines with their time and logger; Prefect's failure reports (each with a full
-    traceback) stay out of it, the CLI prints one line instead (they still reach the run's log file and Prefect)."""
+    traceback) stay out of it, the CLI prints one line instead (they still reach the run's log file and Prefect).
+    Python warnings become log records: those raised from the project's code show, a library's go to the run's
+    log file only (nothing a user of the CLI can act on), as does DeepSpeed's accelerator note (below)."""
     logging.basicConfig(level=logging.WARNING, format=FORMAT, datefmt="%H:%M:%S")
     for name in _FAILURE_LOGGERS:
         logging.getLogger(name).propagate = False
+    logging.captureWarnings(True)
+    for handler in logging.getLogger().handlers:  # basicConfig's (a test harness's own handlers keep everything)
+        if type(handler) is logging.StreamHandler and not any(isinstance(f, _ConsoleLines) for f in handler.filters):
+            handler.addFilter(_ConsoleLines())
+    deepspeed = logging.getLogger("DeepSpeed")  # created here first: DeepSpeed adds its own stdout handler later
+    if not any(isinstance(f, _DeepSpeedNotes) for f in deepspeed.filters):
+        deepspeed.addFilter(_DeepSpeedNotes())
     quiet_libraries()
+
+
+#: Where the project's code lives: a Python warning raised from a file under these is the project's own.
+_PROJECT_DIRS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep for name in PROJECT_LOGGERS)
+_FILE_ONLY = "rlhf_file_only"
+
+
+class _ConsoleLines(logging.Filter):
+    """The console's share of the root logger's records: not a library's Python warning, nor a record marked for
+    the run's log file only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, _FILE_ONLY, False):
+            return False
+        if record.name == "py.warnings":
+            return str(record.args[0] if record.args else record.msg).startswith(_PROJECT_DIRS)
+        return True
+
+
+class _DeepSpeedNotes(logging.Filter):
+    """DeepSpeed prints to stdout, through its own handler, which accelerator it found, and its CPU fallback as a
+    warning: on every machine without a GPU, whether or not a stage uses DeepSpeed (transformers imports it to
+    unwrap a model it saves). That note goes to the run's log file; DeepSpeed's other lines stay as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Setting accelerator to CPU"):
+            return True
+        setattr(record, _FILE_ONLY, True)
+        logging.getLogger().handle(record)  # the root's handlers: the run's log file, not the console (_ConsoleLines)
+        return False
 
 
 #: Threads inside a :func:`run_logging` block (a run, or a sweep), each with how many blocks it is in.

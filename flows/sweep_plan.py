@@ -18,6 +18,11 @@ from tasks.config import ConfigError, PipelineConfig, resolve_config
 from tasks.run_store.keys import canonical
 from tasks.typed_yaml import one_line
 
+#: A sweep's runs share PPO iterations and branch from them (the same iteration 1, another refresh or KL after it;
+#: later sweeps too), and each run's publication prunes its chain's older resume states: so unless the sweep sets it,
+#: its runs keep every iteration's state (retention only: the artifact keys, and so the cache, are the same).
+KEEP_STATES = "ppo.keep_resume_states"
+
 NOT_IN_GRID = {"seed": "give seeds with --seeds (e.g. --seeds 0,1,2)",
                "state_dir": "a sweep's runs share one state folder: give it with --state-dir"}
 
@@ -133,7 +138,11 @@ def plan_cells(config_file: str | None, preset: str | None, overrides: Sequence[
         for values in itertools.product(*(grid[k] for k in keys)):
             setting = dict(zip(keys, values, strict=True))
             cell_overrides = [*overrides, *(f"{k}={v}" for k, v in setting.items()), f"seed={seed}"]
-            cells.append(CellPlan(setting, seed, cell_overrides, resolve_config(config_file, preset, cell_overrides)))
+            config = resolve_config(config_file, preset, cell_overrides)
+            if KEEP_STATES not in shared | set(grid) and config.ppo.keep_resume_states < config.ppo.iterations:
+                cell_overrides.append(f"{KEEP_STATES}={config.ppo.iterations}")
+                config = resolve_config(config_file, preset, cell_overrides)
+            cells.append(CellPlan(setting, seed, cell_overrides, config))
     return cells
 
 

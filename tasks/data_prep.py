@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from rlhf_core.data import (PPO_PROMPTS, PREFERENCE_PAIRS, QUARANTINE, DataError, DataPrepConfig, DataPrepCounts,
                             SourceFile, check_outcome, format_counts, prepare_data)
 from rlhf_core.data.schema import PROMPT, PROMPT_ID
-from rlhf_core.data.split import prompt_id
+from rlhf_core.data.split import fractions_with_heldout, prompt_id
 from rlhf_core.demo import generate_preference_pairs, generate_sft_demonstrations
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.demo.tables import (EVAL_PROMPTS, RAW_PAIRS, SFT_DEMONSTRATIONS, draw_eval_prompts, eval_row,
@@ -149,10 +149,25 @@ def prepare(cfg: Config, out: Path) -> Result:
     prompts = dict.fromkeys(str(r[PROMPT]) for r in read_parquet(out / HELDOUT_FILE, PREFERENCE_PAIRS))
     heldout = [{PROMPT: p, PROMPT_ID: prompt_id(p)} for p in prompts]
     if not heldout:
-        raise DataError(f"{out / HELDOUT_FILE} has no held-out pairs, so there is nothing to evaluate on; raise "
-                        "data.prep.heldout_fraction")
+        raise DataError(f"{out / HELDOUT_FILE} has no held-out pairs, so there is nothing to evaluate on; "
+                        + _heldout_hint(cfg, out))
     write_parquet(heldout, PPO_PROMPTS, out / EVAL_PROMPTS_FILE)
     return Result(**tables, eval_prompts=EVAL_PROMPTS_FILE, metrics=counts.as_metrics())
+
+
+def _heldout_hint(cfg: Config, out: Path) -> str:
+    """Fractions that hold out some of these prompts (the train, held-out and PPO fractions sum to 1)."""
+    ppo_from_pairs = not cfg.prompts_file
+    prompts = [str(r[PROMPT]) for r in read_parquet(out / TRAIN_FILE, PREFERENCE_PAIRS)]
+    if ppo_from_pairs:
+        prompts += [str(r[PROMPT]) for r in read_parquet(out / PPO_PROMPTS_FILE, PPO_PROMPTS)]
+    fractions = fractions_with_heldout(prompts, cfg.prep, ppo_from_pairs)
+    rule = "the train, held-out and PPO fractions sum to 1"
+    if fractions is None:
+        return f"{len(set(prompts))} distinct prompt(s) cannot be split three ways: add pairs with other prompts"
+    train, heldout, ppo = fractions
+    return (f"with these {len(set(prompts))} distinct prompts, e.g. data.prep.train_fraction={train:g} "
+            f"data.prep.heldout_fraction={heldout:g} data.prep.ppo_fraction={ppo:g} ({rule})")
 
 
 def _prepare_pairs(cfg: Config, sources: Sequence[SourceFile], prompt_sources: Sequence[SourceFile], out: Path,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
@@ -199,7 +199,7 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     if result.plot:
         pub.log_files([result.plot], "plots")
     pub.set_tags({"iteration": cfg.iteration})
-    pub.register("policy", pub.names.policy_model, result.policy)
+    pub.register("policy", pub.names.policy_model, result.policy, usage={"generation": asdict(cfg.ppo.generation)})
     # Only once this iteration is published: a failed iteration k leaves k-1's state for its retry.
     pub.runner.store.prune_resume_states(artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
 

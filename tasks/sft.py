@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -236,7 +236,8 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.log_files([f for f in (result.loss_curve, result.loss_plot, result.samples, result.metrics_file) if f], "sft")
     folder = model_input(artifact).path
     if Path(folder).is_dir():  # a Hugging Face id stays outside the registry
-        pub.register("policy", pub.names.policy_model, folder)
+        usage = {"generation": asdict(cfg.generation)} if cfg.generation is not None else None
+        pub.register("policy", pub.names.policy_model, folder, usage=usage)
 
 
 STAGE = Stage(NAME, compute, publish, Result)

@@ -150,10 +150,11 @@ class Publication:
     def set_tags(self, tags: Mapping[str, object]) -> None:
         tracking.set_tags(self.mlflow_run_id, {k: str(v) for k, v in tags.items()})
 
-    def register(self, role: str, name: str, folder: str | Path, aliases: Sequence[str] = ("candidate",)) -> ModelRef:
+    def register(self, role: str, name: str, folder: str | Path, aliases: Sequence[str] = ("candidate",),
+                 usage: Mapping[str, Any] | None = None) -> ModelRef:
         """Register a model folder (relative to the artifact, or an outside one the artifact chose) as a version
         of ``name`` for this run (idempotent), tagged with the run id, stage, artifact key, role and, for a cached
-        stage, the run it came from."""
+        stage, the run it came from. ``usage``: how the version's pyfunc uses it (a policy's ``generation``)."""
         lineage = {"rlhf.run_id": self.runner.run_id, "rlhf.stage": self.label, "rlhf.role": role,
                    "rlhf.artifact_key": self.artifact.identity(), "rlhf.produced_by": self.artifact.record.produced_by}
         if self.cached_from:
@@ -165,7 +166,7 @@ class Publication:
         reference = self._reference(path)
         if reference is not None:
             lineage["rlhf.model_storage"] = "reference"
-        ref = tracking.register_model(path, name, self.mlflow_run_id, lineage, aliases, description, reference)
+        ref = tracking.register_model(path, name, self.mlflow_run_id, lineage, aliases, description, reference, usage)
         self.models[role] = ref.uri
         return ref
 

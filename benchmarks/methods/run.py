@@ -48,6 +48,7 @@ METHODS: dict[str, list[str]] = {
 TUNING: dict[str, dict[str, Any]] = {
     "ppo": {"fixed": [], "rounds": [
         {"ppo.learning_rate": ["1e-4", "2e-4"], "ppo.critic_warmup_updates": ["0", "3"]},
+        {"ppo.kl.coef": ["0.05", "0.1"], "refresh.every_k": ["0", "1"]},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
         {"dpo.beta": ["0.1", "0.3", "0.5"]},

@@ -45,7 +45,9 @@ class DataPrepConfig:
         check_ranges(self, "data.prep")
         fractions = (self.train_fraction, self.heldout_fraction, self.ppo_fraction)
         if any(f < 0 for f in fractions) or not math.isclose(sum(fractions), 1.0, abs_tol=1e-9):
-            raise ValueError(f"data.prep train/heldout/ppo fractions must be >= 0 and sum to 1, got {fractions}")
+            raise ValueError(f"data.prep train/heldout/ppo fractions must be >= 0 and sum to 1, got {fractions} (sum "
+                             f"{sum(fractions):g}): raising one means lowering another, e.g. data.prep.train_fraction="
+                             f"{max(self.train_fraction - (sum(fractions) - 1), 0):g}")
         if self.train_fraction <= 0:
             raise ValueError("data.prep.train_fraction must be > 0: the reward model needs training pairs")
         if None not in (self.max_prompt_length, self.max_length) and self.max_prompt_length >= self.max_length:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from dataclasses import replace
 from enum import Enum
 
 from rlhf_core.data.config import DataPrepConfig
@@ -56,3 +58,23 @@ def assign_split(prompt: str, config: DataPrepConfig, ppo_from_pairs: bool = Tru
     if position < train + heldout:
         return Split.HELDOUT
     return Split.PPO if ppo_from_pairs else Split.HELDOUT
+
+
+def fractions_with_heldout(prompts: Iterable[str], config: DataPrepConfig,
+                           ppo_from_pairs: bool = True) -> tuple[float, float, float] | None:
+    """(train, held-out, PPO) fractions in steps of 0.05, nearest to ``config``'s, under which these prompts give at
+    least one training and one held-out prompt (and one PPO prompt when PPO draws from the pairs): the values to
+    suggest when a split holds out nothing. None when no such fractions exist (too few distinct prompts)."""
+    distinct = set(prompts)
+    current = (config.train_fraction, config.heldout_fraction, config.ppo_fraction)
+    grid = [i / 20 for i in range(21)]
+    candidates = [(t, h, round(1 - t - h, 2)) for t in grid for h in grid if t > 0 and h > 0 and t + h <= 1 + 1e-9]
+    found = []
+    for fractions in candidates:
+        trial = replace(config, train_fraction=fractions[0], heldout_fraction=fractions[1],
+                        ppo_fraction=fractions[2])
+        splits = {assign_split(p, trial, ppo_from_pairs) for p in distinct}
+        needed = {Split.TRAIN, Split.HELDOUT} | ({Split.PPO} if ppo_from_pairs and fractions[2] > 0 else set())
+        if needed <= splits:
+            found.append((sum(abs(a - b) for a, b in zip(fractions, current, strict=True)), fractions))
+    return min(found)[1] if found else None

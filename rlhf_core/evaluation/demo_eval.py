@@ -11,32 +11,15 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.demo.gold import gold_breakdown, gold_score
 from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
-from rlhf_core.evaluation.policy_eval import fit_max_new_tokens
-from rlhf_core.models.text import encode_prompt, pad_id
+from rlhf_core.evaluation.policy_eval import fit_max_new_tokens, sample_replies
+from rlhf_core.models.text import encode_prompt
 from rlhf_core.training.reward_training import PreferencePair
-from rlhf_core.training.rollout import generate_in_batches
-
-@dataclass(frozen=True)
-class SampledReplies:
-    """Decoded replies of a policy, one per prompt, in prompt order."""
-
-    replies: tuple[str, ...]
-    """Reply text without special tokens (pad, eos)."""
-    stopped: tuple[bool, ...]
-    """True when the reply ended with the eos token (False = cut at max_new_tokens)."""
-
-    @property
-    def stopped_fraction(self) -> float:
-        """Share of replies that ended with eos."""
-        return sum(self.stopped) / max(len(self.stopped), 1)
-
 
 @dataclass(frozen=True)
 class GoldSummary:
@@ -60,30 +43,6 @@ class AgreementStats:
     """Pairs whose two replies have the same gold score (excluded from ``agreement``)."""
     agreement: float
     """Share of non-tied pairs where ``chosen`` has the higher gold score."""
-
-
-def sample_replies(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
-    generation: GenerationConfig,
-    seed: int = 0,
-) -> SampledReplies:
-    """One reply per prompt from ``model``, ``generation.batch_size`` prompts at a time; stops on eos.
-
-    Prompts are tokenized without special tokens, as in SFT and PPO; ``top_k=1`` gives argmax decoding.
-    """
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    replies: list[str] = []
-    stopped: list[bool] = []
-    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-    for rollout in generate_in_batches(model, prompt_ids, generation, [tokenizer.eos_token_id], pad_id(tokenizer),
-                                       generator):
-        for row in range(rollout.response_ids.shape[0]):
-            ids = rollout.response_ids[row][rollout.response_mask[row]]
-            replies.append(tokenizer.decode(ids, skip_special_tokens=True))
-        stopped.extend(bool(s) for s in rollout.stopped)
-    return SampledReplies(tuple(replies), tuple(stopped))
 
 
 def has_correct_action(prompt: str, reply: str) -> bool:

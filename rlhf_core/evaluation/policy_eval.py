@@ -29,7 +29,7 @@ from rlhf_core.models.budget import row_chunks
 from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import policy_forward
 from rlhf_core.models.scoring import Scorer, decode_rollout
-from rlhf_core.models.text import pad_id
+from rlhf_core.models.text import encode_prompt, pad_id
 from rlhf_core.training.rollout import Rollout, generate_in_batches
 
 #: Temperature at which policy and reference log-probs are compared: the models' own distributions.
@@ -208,3 +208,42 @@ def comparison_metrics(policy: ReplySet, reference: ReplySet, prefix: str = "eva
     ref = reply_summary(reference, f"{prefix}/reference")
     metrics.update({k: v for k, v in ref.items() if "/kl/" not in k})  # the reference's KL to itself is 0
     return metrics
+
+
+@dataclass(frozen=True)
+class SampledReplies:
+    """Decoded replies of a policy, one per prompt, in prompt order."""
+
+    replies: tuple[str, ...]
+    """Reply text without special tokens (pad, eos)."""
+    stopped: tuple[bool, ...]
+    """True when the reply ended with the eos token (False = cut at max_new_tokens)."""
+
+    @property
+    def stopped_fraction(self) -> float:
+        """Share of replies that ended with eos."""
+        return sum(self.stopped) / max(len(self.stopped), 1)
+
+
+def sample_replies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    generation: GenerationConfig,
+    seed: int = 0,
+) -> SampledReplies:
+    """One reply per prompt from ``model``, ``generation.batch_size`` prompts at a time; stops on eos.
+
+    Prompts are tokenized without special tokens, as in SFT and PPO; ``top_k=1`` gives argmax decoding.
+    """
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    replies: list[str] = []
+    stopped: list[bool] = []
+    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+    for rollout in generate_in_batches(model, prompt_ids, generation, [tokenizer.eos_token_id], pad_id(tokenizer),
+                                       generator):
+        for row in range(rollout.response_ids.shape[0]):
+            ids = rollout.response_ids[row][rollout.response_mask[row]]
+            replies.append(tokenizer.decode(ids, skip_special_tokens=True))
+        stopped.extend(bool(s) for s in rollout.stopped)
+    return SampledReplies(tuple(replies), tuple(stopped))

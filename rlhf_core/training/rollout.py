@@ -11,10 +11,17 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.lm_head import split_lm_head
 from rlhf_core.ppo.masking import ended_with_stop, response_mask_from_stop
+
+
+#: The KV cache's keyword and output field: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
+#: warns and goes in 5.40); earlier releases in the supported range know only the old one.
+CACHE = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
 @dataclass
@@ -155,7 +162,7 @@ def _sample_loop(
     last_only = {"logits_to_keep": 1} if split_lm_head(model) is not None else {}
     out = model(input_ids=query_ids, attention_mask=attention[:, :query_len], position_ids=positions, use_cache=True,
                 **last_only)
-    past, next_logits = out.past_key_values, out.logits[:, -1, :]
+    past, next_logits = getattr(out, CACHE), out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1  # (B, 1)
     stops = torch.as_tensor(list(stop_token_ids), device=device, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -175,10 +182,10 @@ def _sample_loop(
             input_ids=token.unsqueeze(1),
             attention_mask=attention[:, : query_len + step + 1],
             position_ids=next_position,
-            past_key_values=past,
             use_cache=True,
+            **{CACHE: past},
         )
-        past, next_logits = out.past_key_values, out.logits[:, -1, :]
+        past, next_logits = getattr(out, CACHE), out.logits[:, -1, :]
         next_position = next_position + 1
     raise AssertionError("unreachable: the loop returns at its last step")
 

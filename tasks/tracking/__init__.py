@@ -8,7 +8,9 @@ Helpers take explicit MLflow run ids: MLflow's active run is thread-local and Pr
 - :mod:`.setup`: the tracking URI, the local store (created under the state folder's init lock, rebased when the
   folder moves), experiments;
 - :mod:`.runs`: parent and stage runs, params, metrics, files, live curves (:class:`StageTracker`) and their replay;
-- :mod:`.registry`: idempotent registration with lineage tags, aliases, ``models:/`` URIs.
+- :mod:`.registry`: idempotent registration with lineage tags, aliases, ``models:/`` URIs;
+- :mod:`.pyfunc`: the loader MLflow imports for ``mlflow.pyfunc.load_model`` / ``mlflow models serve`` (never
+  imported by the pipeline).
 """
 
 from tasks.tracking.registry import (ArtifactReference, ModelRef, get_alias_version, is_transient_error, model_identity, parse_model_uri,

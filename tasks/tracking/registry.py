@@ -11,11 +11,13 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from tasks.run_store import RunStore
 from tasks.tracking.setup import configured_store, slug
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
@@ -58,8 +60,16 @@ SIGNATURES = {
 }
 
 
+PYFUNC_LOADER = "tasks.tracking.pyfunc"
+"""The loader module of every registered version's ``python_function`` flavor (imported by MLflow at load time)."""
+GENERATION_PARAMS = ("max_new_tokens", "temperature", "top_k", "top_p")
+"""The generation settings a policy's pyfunc takes as ``params`` (besides ``seed``)."""
+SETTINGS_FILE = "rlhf_pyfunc.json"
+"""Beside the ``MLmodel``: what the loader needs, ``{"role": ..., "generation": {...}}`` for a policy."""
+
 REFERENCE_FILE = "rlhf_model.json"
-"""What a version registered by reference holds instead of weights: {'artifact': 'stage/key', 'path': folder}."""
+"""What a version registered by reference holds instead of weights: {'artifact': 'stage/key', 'path': folder,
+'state_dir': the state folder that holds the artifact}."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +84,15 @@ class ArtifactReference:
 
 def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str, lineage: Mapping[str, str],
                    aliases: Sequence[str] = ("candidate",), description: str = "",
-                   reference: ArtifactReference | None = None) -> ModelRef:
+                   reference: ArtifactReference | None = None, usage: Mapping[str, Any] | None = None) -> ModelRef:
     """Register ``folder`` as a version of ``name`` for ``mlflow_run_id``, tagged with ``lineage``.
 
     Idempotent: a version carrying the same ``rlhf.run_id``, ``rlhf.artifact_key`` and ``rlhf.role`` tags is
     returned instead of registering another (a retried or resumed stage). A version of the same artifact that
     another run registered lends its files (no second upload of the weights). ``aliases`` move to the version.
-    The uploaded files get an ``MLmodel`` with the role's signature (:data:`SIGNATURES`), shown by the registry.
+    The uploaded files get an ``MLmodel`` with the role's signature (:data:`SIGNATURES`), shown by the registry, and
+    a ``python_function`` flavor (:data:`PYFUNC_LOADER`; ``usage``: what it needs, a policy's ``generation``
+    settings), so ``mlflow.pyfunc.load_model`` and ``mlflow models serve`` work.
     With ``reference`` (``tracking.model_storage=reference``) the weights are not uploaded: the version's files are
     the ``MLmodel`` and :data:`REFERENCE_FILE` (a few hundred bytes), and :func:`resolve_model_uri` loads the
     artifact's folder from the state folder. (MLflow servers refuse a local path as a version's source, so the
@@ -105,7 +117,7 @@ def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str
                                                    description=description or None).version)
 
         def upload() -> str:
-            return _upload(client, Path(folder), name, mlflow_run_id, lineage.get("rlhf.role"), reference)
+            return _upload(client, Path(folder), name, mlflow_run_id, lineage.get("rlhf.role"), reference, usage)
 
         try:
             version = create(same[0].source if same else upload())
@@ -120,7 +132,7 @@ def register_model(folder: str | os.PathLike[str], name: str, mlflow_run_id: str
 
 
 def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: str | None,
-            reference: ArtifactReference | None = None) -> str:
+            reference: ArtifactReference | None = None, usage: Mapping[str, Any] | None = None) -> str:
     """Log the model's files (or, with ``reference``, only a pointer to them) under ``models/<name>[-n]`` of the
     run; returns that folder's artifact URI (the version's source)."""
     if not folder.is_dir():
@@ -135,22 +147,37 @@ def _upload(client: MlflowClient, folder: Path, name: str, run_id: str, role: st
             client.log_artifacts(run_id, str(folder), artifact_path)
         else:
             pointer = Path(scratch) / REFERENCE_FILE
-            pointer.write_text(json.dumps({"artifact": reference.artifact, "path": reference.path}) + "\n")
+            pointer.write_text(json.dumps({"artifact": reference.artifact, "path": reference.path,
+                                           "state_dir": str(configured_store().root)}) + "\n")
             client.log_artifact(run_id, str(pointer), artifact_path)
         if role in SIGNATURES:
-            _signature_file(role, Path(scratch) / "MLmodel")
+            _model_file(role, Path(scratch) / "MLmodel", usage)
             client.log_artifact(run_id, str(Path(scratch) / "MLmodel"), artifact_path)
+            settings = Path(scratch) / SETTINGS_FILE
+            settings.write_text(json.dumps({"role": role, **(usage or {})}, indent=1) + "\n", encoding="utf-8")
+            client.log_artifact(run_id, str(settings), artifact_path)
     return f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
 
 
-def _signature_file(role: str, path: Path) -> None:
+def _model_file(role: str, path: Path, usage: Mapping[str, Any] | None = None) -> None:
+    """The version's ``MLmodel``: the role's signature (a policy's generation settings as its params, defaulting to
+    those it was trained with), and the pyfunc flavor whose loader is :data:`PYFUNC_LOADER` (it reads the version's
+    files themselves, ".")."""
     from mlflow.models import Model, ModelSignature
-    from mlflow.types import ColSpec, Schema
+    from mlflow.pyfunc import add_to_model
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     inputs, outputs = SIGNATURES[role]
+    generation = (usage or {}).get("generation")
+    params = None
+    if generation is not None:
+        params = ParamSchema([ParamSpec(k, "long" if isinstance(v, int) else "double", v) for k, v in generation.items()
+                              if k in GENERATION_PARAMS] + [ParamSpec("seed", "long", 0)])
     signature = ModelSignature(Schema([ColSpec(t, n) for n, t in inputs.items()]),
-                               Schema([ColSpec(t, n) for n, t in outputs.items()]))
-    Model(signature=signature, metadata={"rlhf.role": role, "format": "Hugging Face save_pretrained folder"}).save(path)
+                               Schema([ColSpec(t, n) for n, t in outputs.items()]), params)
+    model = Model(signature=signature, metadata={"rlhf.role": role, "format": "Hugging Face save_pretrained folder"})
+    add_to_model(model, loader_module=PYFUNC_LOADER, data=".")
+    model.save(path)
 
 
 def tag_model_version(uri: str, tags: Mapping[str, object]) -> None:
@@ -224,15 +251,25 @@ def resolve_model_uri(uri_or_path: str) -> str:
 
 def _referenced(folder: Path, uri: str) -> str:
     """``folder`` (a downloaded version), or the state folder's artifact folder its :data:`REFERENCE_FILE` names."""
+    return str(referenced_folder(folder, configured_store(), uri))
+
+
+def referenced_folder(folder: Path, store: RunStore | None = None, uri: str = "this version") -> Path:
+    """``folder`` (a downloaded version's files), or, for a version registered by reference, the artifact folder its
+    :data:`REFERENCE_FILE` names in ``store`` (default: the state folder the pointer records)."""
     pointer = folder / REFERENCE_FILE
     if not pointer.is_file():
-        return str(folder)
+        return folder
     target = json.loads(pointer.read_text(encoding="utf-8"))
+    if store is None:
+        if "state_dir" not in target:
+            raise FileNotFoundError(f"{pointer} names no state folder (registered by an earlier release): load it "
+                                    "with resolve_model_uri from the state folder that produced it")
+        store = RunStore(target["state_dir"])
     stage, _, key = target["artifact"].partition("/")
-    store = configured_store()
     artifact = store.artifact(stage, key)
     if artifact is None:
         raise FileNotFoundError(f"{uri} was registered by reference (tracking.model_storage=reference) to artifact "
                                 f"{target['artifact']}, which state folder {store.root} does not hold: run with the "
                                 "state dir that produced it (shared storage), or register with model_storage=upload")
-    return str(artifact.path(target["path"]))
+    return Path(artifact.path(target["path"]))

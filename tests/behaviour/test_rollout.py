@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import GPT2LMHeadModel
 
@@ -75,3 +77,14 @@ def test_same_seed_same_rollout():
     a = generate(policy, ids, mask, config, [EOS], PAD, torch.Generator().manual_seed(7))
     b = generate(policy, ids, mask, config, [EOS], PAD, torch.Generator().manual_seed(7))
     assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_generation_calls_no_deprecated_transformers_api():
+    """The KV cache goes by the name the installed transformers expects (``cache`` from 5.24, ``past_key_values``
+    before): the old name warns now and stops working in 5.40, so a warning here is tomorrow's broken install."""
+    ids, mask = left_pad([[BOS, 5, 6], [BOS, 9]], PAD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model(), ids, mask, GenerationConfig(max_new_tokens=4), [EOS], PAD, torch.Generator().manual_seed(0))
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecations == []

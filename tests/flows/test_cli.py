@@ -165,3 +165,29 @@ def test_sft_and_reward_model_training_stop_on_non_finite_values(override, stage
     assert f"failed in stage {stage}: {message}" in line and "training stopped before applying it" in line
     (record,) = RunStore(state_dir).list_runs()
     assert RunStore(state_dir).artifact(stage, record.stages[stage].key) is None  # nothing published
+
+
+def test_the_console_holds_the_projects_own_lines_and_the_run_log_the_libraries(tmp_path):
+    """`rlhf run` on the console: our log lines on stderr, the results table on stdout, and no library's warning on
+    either (a deprecation, DeepSpeed's accelerator note printed on every machine without a GPU); those go to the
+    run's log file."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir", str(state),
+                           "ppo.iterations=1", "refresh.enabled=false"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = re.compile(r"^\d\d:\d\d:\d\d (rlhf_core|tasks|flows)(\.\w+)*: ")
+    assert [line for line in done.stderr.splitlines() if not ours.match(line)] == []
+    assert not re.search(r"warn", done.stdout, re.IGNORECASE), done.stdout
+    (record,) = RunStore(state).list_runs()
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert "Setting accelerator to CPU" in RunStore(state).log_file(record.run_id).read_text()

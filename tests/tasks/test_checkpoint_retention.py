@@ -136,7 +136,7 @@ def test_reference_registration_uploads_no_weights_and_models_uris_still_load(ch
     for version, artifact in zip(versions, arts):
         assert version.tags["rlhf.model_storage"] == "reference"
         uploaded = {f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(version.run_id, "models/" + name)}
-        assert uploaded == {"MLmodel", "rlhf_model.json"}  # a pointer, no weights
+        assert uploaded == {"MLmodel", "rlhf_model.json", "rlhf_pyfunc.json"}  # a pointer and how to use it, no weights
         assert Path(resolve_model_uri(f"models:/{name}/{version.version}")) == artifact.path("policy")
     set_alias(name, "champion", int(versions[1].version))
     folder = resolve_model_uri(f"models:/{name}@champion")
@@ -144,3 +144,78 @@ def test_reference_registration_uploads_no_weights_and_models_uris_still_load(ch
     loaded = GPT2LMHeadModel.from_pretrained(folder)
     saved = GPT2LMHeadModel.from_pretrained(arts[1].path("policy"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
+
+
+def test_registered_versions_load_the_mlflow_way_and_serve(chain, tmp_path: Path) -> None:
+    """A policy registered by reference loads with mlflow.pyfunc and writes replies with the settings it was
+    trained with; a reward model (uploaded) loads as a pyfunc that scores pairs, equal to the model's own scores;
+    `mlflow models serve --env-manager local` answers a request."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import mlflow
+    import pandas as pd
+
+    from rlhf_core.models.roles import load_reward_model, sequence_scores
+    from rlhf_core.models.text import encode_pair
+    from tasks import tracking
+    from tasks.models import load_tokenizer
+
+    harness, arts, (config, inputs, _) = chain
+    name = harness.names.policy_model
+    latest = max(int(v.version) for v in MlflowClient().search_model_versions(f"name='{name}'")
+                 if v.tags["rlhf.artifact_key"] == arts[-1].identity())
+    set_alias(name, "champion", latest)
+    policy = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    prompts = pd.DataFrame({"prompt": PROMPTS[:3]})
+    replies = policy.predict(prompts)
+    assert list(replies.columns) == ["response"] and len(replies) == 3
+    assert policy.predict(prompts).equals(replies)  # seeded: the same replies again
+    params = policy.metadata.get_params_schema()
+    assert {p.name: p.default for p in params.params}["max_new_tokens"] == config.ppo.generation.max_new_tokens
+    short = policy.predict(prompts, params={"max_new_tokens": 1})["response"]
+    assert all(len(r.split()) <= 1 for r in short)
+
+    rm_folder = inputs[2].path
+    with tracking.pipeline_run(harness.names.experiment, harness.run_id, "pyfunc") as run_id:
+        ref = tracking.register_model(rm_folder, harness.names.reward_model, run_id,
+                                      {"rlhf.run_id": harness.run_id, "rlhf.artifact_key": "reward-model/pyfunc",
+                                       "rlhf.role": "proxy"})
+    reward = mlflow.pyfunc.load_model(ref.uri)
+    pairs = {"prompt": PROMPTS[:2], "response": [" the cat", " a dog ran"]}
+    scores = reward.predict(pd.DataFrame(pairs))["score"].tolist()
+    tokenizer, model = load_tokenizer(rm_folder), load_reward_model(str(rm_folder)).eval()
+    for prompt, response, score in zip(pairs["prompt"], pairs["response"], scores, strict=True):
+        ids = torch.tensor([encode_pair(tokenizer, prompt, response)])
+        assert score == pytest.approx(sequence_scores(model, ids, torch.ones_like(ids)).item(), abs=1e-5)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # the scoring server is uvicorn, which MLflow runs from PATH: the environment's bin folder (an activated venv)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri(),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{name}@champion",
+                               "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        body = json.dumps({"dataframe_records": [{"prompt": p} for p in PROMPTS[:2]]}).encode()
+        deadline, answer = time.monotonic() + 180, None
+        while answer is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
+                                                 {"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(request, timeout=30).read())
+            except OSError:
+                time.sleep(1)
+        assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert len(answer["predictions"]) == 2 and all("response" in row for row in answer["predictions"])
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)

@@ -206,3 +206,24 @@ def test_cli_data_errors_exit_2_with_one_line(tmp_path: Path, capsys, extra: lis
     assert code == 2
     assert needle in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert captured.err.startswith("rlhf prep: error: ")
+
+
+def test_a_split_that_holds_out_nothing_names_fractions_that_work(tmp_path: Path, capsys) -> None:
+    """Four pairs with four prompts: the default fractions hold none of them out. The refusal names fractions
+    that do (summing to 1 with PPO's), and running with exactly those succeeds."""
+    sample = write_jsonl(tmp_path / "four.jsonl", [good(i) for i in (0, 1, 2, 4)])
+    assert main(["prep", sample, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "has no held-out pairs" in err and "sum to 1" in err and err.count("\n") == 1
+    suggested = err.split("e.g. ")[1].split(" (")[0].split()
+    assert [s.partition("=")[0] for s in suggested] == ["data.prep.train_fraction", "data.prep.heldout_fraction",
+                                                        "data.prep.ppo_fraction"]
+    again = [arg for setting in suggested for arg in ("--set", setting)]
+    assert main(["prep", sample, "--out", str(tmp_path / "out"), *again]) == 0, capsys.readouterr().err
+    assert read_parquet(tmp_path / "out" / data_prep.HELDOUT_FILE, PREFERENCE_PAIRS)
+
+
+def test_fractions_that_do_not_sum_to_one_name_a_value_that_does() -> None:
+    with pytest.raises(ValueError, match=r"sum 1.1\): raising one means lowering another, e.g. "
+                                         r"data.prep.train_fraction=0.7"):
+        files_config(["x.jsonl"], "data.prep.heldout_fraction=0.2")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flows.sweep_plan import parse_grid, parse_seeds, selector, split_values
+from flows.sweep_plan import parse_grid, parse_seeds, plan_cells, selector, split_values
 from flows.sweep_report import build_report, report_markdown, report_text, winner_metrics
 from tasks.config import ConfigError
 
@@ -74,3 +74,21 @@ def test_no_eligible_setting_names_no_winner() -> None:
     report = build_report("S", selector("heldout"), cells)
     assert report["winner"] is None and winner_metrics(report) == {}
     assert "none (no eligible run)" in report_markdown(report)
+
+
+def test_a_sweeps_runs_keep_every_iterations_resume_state_unless_the_sweep_says_otherwise() -> None:
+    """Runs of a sweep branch from iterations they share (the same iteration 1, then another KL or refresh), so a
+    sibling publishing its iteration 3 must not prune the state another run continues from. Retention is not part
+    of an artifact key: the runs still share every cached stage with plain runs of the same settings."""
+    from tasks import ppo_iteration
+    from tasks.config import resolve_config
+    from tasks.run_store.keys import canonical
+
+    grid = {"ppo.kl.coef": ["0.05", "0.1"]}
+    cells = plan_cells(None, "tiny", ["ppo.iterations=3"], grid, [0])
+    assert [c.config.ppo.keep_resume_states for c in cells] == [3, 3]
+    plain = resolve_config(None, "tiny", ["ppo.iterations=3", "ppo.kl.coef=0.05", "seed=0"])
+    assert plain.ppo.keep_resume_states == 2
+    assert canonical(ppo_iteration.Config.of(cells[0].config, 2)) == canonical(ppo_iteration.Config.of(plain, 2))
+    told = plan_cells(None, "tiny", ["ppo.iterations=3", "ppo.keep_resume_states=1"], grid, [0])
+    assert [c.config.ppo.keep_resume_states for c in told] == [1, 1]

@@ -1,0 +1,100 @@
+"""Production on one machine, without Docker (infra/local-production.sh): PostgreSQL in a temporary folder, an MLflow
+server and a Prefect server on it; the tiny pipeline runs against both, and what it wrote is read back from
+PostgreSQL itself. Every process the script started is gone after its `stop`."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tasks.run_store import RunStore
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "infra" / "local-production.sh"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not glob.glob("/usr/lib/postgresql/*/bin/pg_ctl") and not os.environ.get("PG_BIN"),
+                       reason="no PostgreSQL server binaries here (Debian: postgresql-15; or set PG_BIN)"),
+    pytest.mark.skipif(importlib.util.find_spec("psycopg2") is None or importlib.util.find_spec("asyncpg") is None,
+                       reason="the postgres extra is not installed (pip install -e '.[postgres]')"),
+]
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_tiny_pipeline_runs_on_postgres_backed_mlflow_and_prefect_servers(tmp_path: Path) -> None:
+    import psycopg2
+    from mlflow import MlflowClient
+
+    pg, mlflow_port, prefect_port = free_ports(3)
+    env = {**os.environ, "PG_PORT": str(pg), "MLFLOW_PORT": str(mlflow_port), "PREFECT_PORT": str(prefect_port)}
+    # PostgreSQL runs as the postgres user when the tests run as root: its folder must not sit under a private one
+    stack = Path(tempfile.mkdtemp(prefix="rlhf-pg-"))
+    stack.chmod(0o755)
+    started = subprocess.run(["bash", str(SCRIPT), "start", str(stack)], env=env, capture_output=True, text=True,
+                             timeout=300)
+    pids = [int(p.read_text()) for p in (stack / "run").glob("*.pid")]
+    try:
+        assert started.returncode == 0, started.stderr
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines())
+        assert exports == {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
+                           "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+        run_env = {**os.environ, **exports, "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir",
+                               str(tmp_path / "state"), "ppo.iterations=1", "refresh.enabled=false"],
+                              env=run_env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (record,) = RunStore(tmp_path / "state").list_runs()
+        run_id = record.run_id
+
+        client = MlflowClient(exports["MLFLOW_TRACKING_URI"])
+        (parent,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                       f"tags.`rlhf.run_id` = '{run_id}' and tags.`rlhf.kind` = 'pipeline'")
+        assert "eval/gold/mean" in parent.data.metrics
+        with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="mlflow") as db, db.cursor() as cur:
+            cur.execute("SELECT count(*) FROM metrics WHERE run_uuid = %s", (parent.info.run_id,))
+            assert cur.fetchone()[0] > 0
+            cur.execute("SELECT DISTINCT v.name FROM model_version_tags t JOIN model_versions v "
+                        "ON t.name = v.name AND t.version = v.version WHERE t.key = 'rlhf.run_id' AND t.value = %s",
+                        (run_id,))
+            models = {row[0] for row in cur.fetchall()}
+            assert {"rlhf-tiny-policy", "rlhf-tiny-reward-model"} <= models
+            cur.execute("SELECT alias FROM registered_model_aliases WHERE name = 'rlhf-tiny-policy'")
+            assert "candidate" in {row[0] for row in cur.fetchall()}
+        with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="prefect") as db, db.cursor() as cur:
+            cur.execute("SELECT state_type FROM flow_run WHERE name = %s", (run_id,))
+            assert [row[0] for row in cur.fetchall()] == ["COMPLETED"]
+    finally:
+        stopped = subprocess.run(["bash", str(SCRIPT), "stop", str(stack)], env=env, capture_output=True, text=True,
+                                 timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert pids and not any(alive(pid) for pid in pids)
+    assert not (stack / "pgdata" / "postmaster.pid").exists()
+    shutil.rmtree(stack)
