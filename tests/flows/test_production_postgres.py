@@ -1,6 +1,7 @@
 """Production on one machine, without Docker (infra/local-production.sh): PostgreSQL in a temporary folder, an MLflow
-server and a Prefect server on it; the tiny pipeline runs against both, and what it wrote is read back from
-PostgreSQL itself. Every process the script started is gone after its `stop`."""
+server and a Prefect server on it; three tiny pipelines with different settings run against both at once on one
+state folder, and what they wrote is read back from PostgreSQL itself. Every process the script started is gone
+after its `stop`."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_the_tiny_pipeline_runs_on_postgres_backed_mlflow_and_prefect_servers(tmp_path: Path) -> None:
+def test_three_runs_at_once_on_postgres_backed_mlflow_and_prefect_servers(tmp_path: Path) -> None:
     import psycopg2
     from mlflow import MlflowClient
 
@@ -67,30 +68,40 @@ def test_the_tiny_pipeline_runs_on_postgres_backed_mlflow_and_prefect_servers(tm
         assert exports == {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
                            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
         run_env = {**os.environ, **exports, "PYTHONPATH": str(REPO)}
-        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir",
-                               str(tmp_path / "state"), "ppo.iterations=1", "refresh.enabled=false"],
-                              env=run_env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        (record,) = RunStore(tmp_path / "state").list_runs()
-        run_id = record.run_id
+        # three runs with different settings at once on one state folder: the shared stages are computed once
+        runs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir",
+                                  str(tmp_path / "state"), "ppo.iterations=1", "refresh.enabled=false",
+                                  f"ppo.kl.coef={coef}"], env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for coef in (0.05, 0.1, 0.2)]
+        outputs = [run.communicate(timeout=1200) for run in runs]
+        assert [run.returncode for run in runs] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+        records = RunStore(tmp_path / "state").list_runs()
+        assert len(records) == 3
+        for label in ("data-prep", "sft", "reward-model"):
+            assert len({r.stages[label].key for r in records}) == 1
+            assert sum(err.count(f"{label}: computing artifact") for _, err in outputs) == 1
+        assert len({r.stages["ppo-iteration-1"].key for r in records}) == 3
 
         client = MlflowClient(exports["MLFLOW_TRACKING_URI"])
-        (parent,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                       f"tags.`rlhf.run_id` = '{run_id}' and tags.`rlhf.kind` = 'pipeline'")
-        assert "eval/gold/mean" in parent.data.metrics
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        for record in records:
+            (parent,) = client.search_runs(experiments, f"tags.`rlhf.run_id` = '{record.run_id}' and "
+                                                        "tags.`rlhf.kind` = 'pipeline'")
+            assert parent.info.status == "FINISHED" and "eval/gold/mean" in parent.data.metrics
+            with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="mlflow") as db:
+                with db.cursor() as cur:
+                    cur.execute("SELECT count(*) FROM metrics WHERE run_uuid = %s", (parent.info.run_id,))
+                    assert cur.fetchone()[0] > 0
+                    cur.execute("SELECT DISTINCT v.name FROM model_version_tags t JOIN model_versions v ON t.name = "
+                                "v.name AND t.version = v.version WHERE t.key = 'rlhf.run_id' AND t.value = %s",
+                                (record.run_id,))
+                    assert {"rlhf-tiny-policy", "rlhf-tiny-reward-model"} <= {row[0] for row in cur.fetchall()}
         with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="mlflow") as db, db.cursor() as cur:
-            cur.execute("SELECT count(*) FROM metrics WHERE run_uuid = %s", (parent.info.run_id,))
-            assert cur.fetchone()[0] > 0
-            cur.execute("SELECT DISTINCT v.name FROM model_version_tags t JOIN model_versions v "
-                        "ON t.name = v.name AND t.version = v.version WHERE t.key = 'rlhf.run_id' AND t.value = %s",
-                        (run_id,))
-            models = {row[0] for row in cur.fetchall()}
-            assert {"rlhf-tiny-policy", "rlhf-tiny-reward-model"} <= models
             cur.execute("SELECT alias FROM registered_model_aliases WHERE name = 'rlhf-tiny-policy'")
             assert "candidate" in {row[0] for row in cur.fetchall()}
         with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="prefect") as db, db.cursor() as cur:
-            cur.execute("SELECT state_type FROM flow_run WHERE name = %s", (run_id,))
-            assert [row[0] for row in cur.fetchall()] == ["COMPLETED"]
+            cur.execute("SELECT name, state_type FROM flow_run")
+            assert sorted(cur.fetchall()) == sorted((r.run_id, "COMPLETED") for r in records)
     finally:
         stopped = subprocess.run(["bash", str(SCRIPT), "stop", str(stack)], env=env, capture_output=True, text=True,
                                  timeout=120)
