@@ -50,7 +50,8 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_three_runs_at_once_on_postgres_backed_mlflow_and_prefect_servers(tmp_path: Path) -> None:
+def test_three_runs_at_once_and_a_retry_on_postgres_backed_mlflow_and_prefect_servers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg2
     from mlflow import MlflowClient
 
@@ -102,6 +103,21 @@ def test_three_runs_at_once_on_postgres_backed_mlflow_and_prefect_servers(tmp_pa
         with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="prefect") as db, db.cursor() as cur:
             cur.execute("SELECT name, state_type FROM flow_run")
             assert sorted(cur.fetchall()) == sorted((r.run_id, "COMPLETED") for r in records)
+
+        # A stage fails (in this process, as a worker's flow run fails), then `prefect flow-run retry` in another
+        # process continues the same rlhf run and the same flow run on these servers.
+        failed = _failed_run(tmp_path / "retry", exports, monkeypatch)
+        retried = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", failed.prefect_flow_run_id,
+                                  "--entrypoint", "flows/pipeline.py:rlhf_pipeline"], cwd=REPO, env=run_env,
+                                 capture_output=True, text=True, timeout=900)
+        assert retried.returncode == 0, retried.stdout[-3000:] + retried.stderr[-3000:]
+        (record,) = RunStore(tmp_path / "retry").list_runs()
+        assert record.run_id == failed.run_id and record.status == "completed"
+        assert record.prefect_flow_run_id == failed.prefect_flow_run_id
+        with psycopg2.connect(host="127.0.0.1", port=pg, user="postgres", dbname="prefect") as db, db.cursor() as cur:
+            cur.execute("SELECT name, state_type, run_count FROM flow_run WHERE id = %s", (record.prefect_flow_run_id,))
+            name, state, attempts = cur.fetchone()
+            assert (name, state) == (record.run_id, "COMPLETED") and attempts >= 2
     finally:
         stopped = subprocess.run(["bash", str(SCRIPT), "stop", str(stack)], env=env, capture_output=True, text=True,
                                  timeout=120)
@@ -109,3 +125,31 @@ def test_three_runs_at_once_on_postgres_backed_mlflow_and_prefect_servers(tmp_pa
     assert pids and not any(alive(pid) for pid in pids)
     assert not (stack / "pgdata" / "postmaster.pid").exists()
     shutil.rmtree(stack)
+
+
+def _failed_run(state: Path, servers: dict[str, str], monkeypatch: pytest.MonkeyPatch):
+    """A tiny pipeline run in this process against ``servers`` whose heldout-eval stage fails once; its record."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import tasks.stage
+    from flows.pipeline import rlhf_pipeline
+    from tasks.tracking import setup as tracking_setup
+
+    real = tasks.stage.run_stage
+
+    def failing(stage, label, *args, **kwargs):
+        if label == "heldout-eval-1":
+            raise RuntimeError(f"{label}: injected failure")
+        return real(stage, label, *args, **kwargs)
+
+    monkeypatch.setattr(tasks.stage, "run_stage", failing)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", servers["MLFLOW_TRACKING_URI"])
+    monkeypatch.setattr(tracking_setup, "_store", tracking_setup._store)  # restored after the test
+    monkeypatch.setattr(tracking_setup, "_own_uri", tracking_setup._own_uri)
+    with temporary_settings(updates={PREFECT_API_URL: servers["PREFECT_API_URL"]}):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            rlhf_pipeline(state_dir=str(state), preset="tiny", overrides=["ppo.iterations=1", "refresh.enabled=false"])
+    monkeypatch.setattr(tasks.stage, "run_stage", real)
+    (record,) = RunStore(state).list_runs()
+    assert record.status == "failed" and "injected failure" in record.error
+    return record
