@@ -4,6 +4,8 @@
 #
 #   infra/local-production.sh start DIR   # prints the environment to use, e.g. eval "$(infra/... start DIR)"
 #   infra/local-production.sh stop DIR    # stops the three (the data stays in DIR for the next start)
+# `start` starts what is not running, so after one of the three died it brings that one back (runs keep going:
+# MLflow values sent meanwhile are retried, Prefect's client waits for its server).
 #
 # Needs PostgreSQL's server binaries (Debian: postgresql-15; PG_BIN names their folder) and the project's
 # `postgres` extra (psycopg2 for MLflow, asyncpg for Prefect; .ci/install installs it). As root, PostgreSQL runs
@@ -17,6 +19,10 @@ MLFLOW_PORT=${MLFLOW_PORT:-5000}
 PREFECT_PORT=${PREFECT_PORT:-4200}
 BIN=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+running() {  # NAME: its pid file names a live process
+  [ -f "$DIR/run/$1.pid" ] && kill -0 "$(cat "$DIR/run/$1.pid")" 2>/dev/null
+}
 
 wait_for() {  # URL, name, log: up to 120 s
   for _ in $(seq 240); do
@@ -42,22 +48,28 @@ start)
     as_pg "$PG_BIN/initdb" -D "$DIR/pgdata" -U postgres --auth=trust >"$DIR/initdb.log" 2>&1 \
       || { echo "initdb failed; see $DIR/initdb.log" >&2; exit 1; }
   fi
-  as_pg "$PG_BIN/pg_ctl" -D "$DIR/pgdata" -l "$DIR/run/postgres.log" -w start \
-    -o "-p $PG_PORT -k $DIR/run -c listen_addresses=127.0.0.1" >/dev/null \
-    || { echo "PostgreSQL did not start; see $DIR/run/postgres.log" >&2; exit 1; }
+  if ! as_pg "$PG_BIN/pg_ctl" -D "$DIR/pgdata" status >/dev/null 2>&1; then
+    as_pg "$PG_BIN/pg_ctl" -D "$DIR/pgdata" -l "$DIR/run/postgres.log" -w start \
+      -o "-p $PG_PORT -k $DIR/run -c listen_addresses=127.0.0.1" >/dev/null \
+      || { echo "PostgreSQL did not start; see $DIR/run/postgres.log" >&2; exit 1; }
+  fi
   for db in mlflow prefect; do
     as_pg "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='$db'" \
       | grep -q 1 || as_pg "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres "$db"
   done
   PG=postgres@127.0.0.1:$PG_PORT
-  MLFLOW_DISABLE_TELEMETRY=true setsid "$BIN/mlflow" server --backend-store-uri "postgresql://$PG/mlflow" \
-    --artifacts-destination "$DIR/mlartifacts" --host 127.0.0.1 --port "$MLFLOW_PORT" \
-    >"$DIR/run/mlflow.log" 2>&1 < /dev/null &
-  echo $! > "$DIR/run/mlflow.pid"
-  PREFECT_API_DATABASE_CONNECTION_URL="postgresql+asyncpg://$PG/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
-    PREFECT_HOME="$DIR/prefect-home" setsid "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" \
-    >"$DIR/run/prefect.log" 2>&1 < /dev/null &
-  echo $! > "$DIR/run/prefect.pid"
+  if ! running mlflow; then
+    MLFLOW_DISABLE_TELEMETRY=true setsid "$BIN/mlflow" server --backend-store-uri "postgresql://$PG/mlflow" \
+      --artifacts-destination "$DIR/mlartifacts" --host 127.0.0.1 --port "$MLFLOW_PORT" \
+      >>"$DIR/run/mlflow.log" 2>&1 < /dev/null &
+    echo $! > "$DIR/run/mlflow.pid"
+  fi
+  if ! running prefect; then
+    PREFECT_API_DATABASE_CONNECTION_URL="postgresql+asyncpg://$PG/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
+      PREFECT_HOME="$DIR/prefect-home" setsid "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" \
+      >>"$DIR/run/prefect.log" 2>&1 < /dev/null &
+    echo $! > "$DIR/run/prefect.pid"
+  fi
   wait_for "http://127.0.0.1:$MLFLOW_PORT/health" "mlflow server" "$DIR/run/mlflow.log"
   wait_for "http://127.0.0.1:$PREFECT_PORT/api/health" "prefect server" "$DIR/run/prefect.log"
   echo "export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT"

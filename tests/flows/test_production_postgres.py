@@ -9,10 +9,12 @@ import glob
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -118,7 +120,48 @@ def test_three_runs_at_once_and_a_retry_on_postgres_backed_mlflow_and_prefect_se
             cur.execute("SELECT name, state_type, run_count FROM flow_run WHERE id = %s", (record.prefect_flow_run_id,))
             name, state, attempts = cur.fetchone()
             assert (name, state) == (record.run_id, "COMPLETED") and attempts >= 2
+
+        # The MLflow server killed mid-run (during SFT) and started again by the script (`start` brings back what
+        # died). Curves wait for it in the stage's sender; a synchronous call (a param, a registration) that meets
+        # the outage fails the stage once its bounded retries (1 + 2 + 4 s) are spent, in one line naming
+        # `rlhf resume`, which then finishes the same run: either way every value reaches the restarted server.
+        err = tmp_path / "outage.err"
+        with err.open("w") as sink:
+            outage = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--state-dir",
+                                       str(tmp_path / "outage"), "ppo.iterations=1", "refresh.enabled=false",
+                                       "tracking.experiment=rlhf-outage"], env=run_env, stdout=subprocess.DEVNULL,
+                                      stderr=sink)
+        deadline = time.monotonic() + 600
+        while "sft: computing artifact" not in err.read_text() and outage.poll() is None:
+            assert time.monotonic() < deadline, err.read_text()[-2000:]
+            time.sleep(0.5)
+        killed = int((stack / "run" / "mlflow.pid").read_text())
+        os.killpg(killed, signal.SIGKILL)
+        while alive(killed):
+            time.sleep(0.2)
+        time.sleep(5)
+        again = subprocess.run(["bash", str(SCRIPT), "start", str(stack)], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert again.returncode == 0, again.stderr
+        if outage.wait(timeout=900) != 0:
+            (line,) = [ln for ln in err.read_text().splitlines() if ln.startswith("rlhf: run ")]
+            assert "MlflowException" in line and "continue with: rlhf resume" in line, line
+            (record,) = RunStore(tmp_path / "outage").list_runs()
+            resumed = subprocess.run([sys.executable, "-m", "flows.cli", "resume", record.run_id, "--state-dir",
+                                      str(tmp_path / "outage")], env=run_env, capture_output=True, text=True,
+                                     timeout=900)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+        (record,) = RunStore(tmp_path / "outage").list_runs()
+        assert record.status == "completed"
+        experiment = client.get_experiment_by_name("rlhf-outage").experiment_id
+        (parent,) = client.search_runs([experiment], f"tags.`rlhf.run_id` = '{record.run_id}' and "
+                                                     "tags.`rlhf.kind` = 'pipeline'")
+        assert "eval/gold/mean" in parent.data.metrics
+        (sft,) = client.search_runs([experiment], f"tags.`rlhf.run_id` = '{record.run_id}' and "
+                                                  "tags.`rlhf.stage` = 'sft'")
+        assert "sft/final_eval_loss" in sft.data.metrics
     finally:
+        pids += [int(p.read_text()) for p in (stack / "run").glob("*.pid")]  # a server the test restarted
         stopped = subprocess.run(["bash", str(SCRIPT), "stop", str(stack)], env=env, capture_output=True, text=True,
                                  timeout=120)
     assert stopped.returncode == 0, stopped.stderr
