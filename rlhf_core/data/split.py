@@ -49,10 +49,14 @@ def assign_split(prompt: str, config: DataPrepConfig, ppo_from_pairs: bool = Tru
     With `ppo_from_pairs` False (a separate prompts file feeds PPO) the PPO share is redistributed to
     train and held-out in proportion.
     """
+    return split_at(prompt_position(prompt, config.split_salt), config, ppo_from_pairs)
+
+
+def split_at(position: float, config: DataPrepConfig, ppo_from_pairs: bool = True) -> Split:
+    """The split of a prompt at ``position`` (:func:`prompt_position`); :func:`assign_split`'s rule."""
     train, heldout = config.train_fraction, config.heldout_fraction
     if not ppo_from_pairs:
         train, heldout = train / (train + heldout), heldout / (train + heldout)
-    position = prompt_position(prompt, config.split_salt)
     if position < train:
         return Split.TRAIN
     if position < train + heldout:
@@ -65,7 +69,7 @@ def fractions_with_heldout(prompts: Iterable[str], config: DataPrepConfig,
     """(train, held-out, PPO) fractions in steps of 0.05, nearest to ``config``'s, under which these prompts give at
     least one training and one held-out prompt (and one PPO prompt when PPO draws from the pairs): the values to
     suggest when a split holds out nothing. None when no such fractions exist (too few distinct prompts)."""
-    distinct = set(prompts)
+    positions = {prompt_position(p, config.split_salt) for p in set(prompts)}
     current = (config.train_fraction, config.heldout_fraction, config.ppo_fraction)
     grid = [i / 20 for i in range(21)]
     candidates = [(t, h, round(1 - t - h, 2)) for t in grid for h in grid if t > 0 and h > 0 and t + h <= 1 + 1e-9]
@@ -73,7 +77,7 @@ def fractions_with_heldout(prompts: Iterable[str], config: DataPrepConfig,
     for fractions in candidates:
         trial = replace(config, train_fraction=fractions[0], heldout_fraction=fractions[1],
                         ppo_fraction=fractions[2])
-        splits = {assign_split(p, trial, ppo_from_pairs) for p in distinct}
+        splits = {split_at(position, trial, ppo_from_pairs) for position in positions}
         needed = {Split.TRAIN, Split.HELDOUT} | ({Split.PPO} if ppo_from_pairs and fractions[2] > 0 else set())
         if needed <= splits:
             found.append((sum(abs(a - b) for a, b in zip(fractions, current, strict=True)), fractions))

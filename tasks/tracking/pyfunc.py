@@ -5,7 +5,7 @@ Every version the pipeline registers carries a ``python_function`` flavor whose 
 DataFrame with a ``response`` column, sampled with the generation settings the version was trained with (the
 ``params`` of ``predict`` override ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` and ``seed``). A
 reward model's ``predict`` takes ``prompt`` and ``response`` columns and returns a ``score`` column (an ensemble:
-its members' scores aggregated as PPO did). Versions registered by reference (``tracking.model_storage=reference``)
+the mean of its members' scores). Versions registered by reference (``tracking.model_storage=reference``)
 load from the state folder that produced them. The environment is the one the pipeline runs in:
 ``mlflow models serve --env-manager local``.
 
@@ -26,14 +26,13 @@ import torch
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.policy_eval import sample_replies
 from rlhf_core.models.roles import freeze, load_policy
-from rlhf_core.models.text import encode_pair, encode_prompt, pad_id
+from rlhf_core.models.text import encode_pair, encode_prompt, pad_id, right_pad
 from rlhf_core.training.rollout import Rollout, left_pad
 from tasks.models import load_tokenizer, reward_members, reward_scorer
 from tasks.runtime import Runtime
-from tasks.tracking.registry import GENERATION_PARAMS, SETTINGS_FILE, referenced_folder
+from tasks.tracking.registry import SETTINGS_FILE, referenced_folder
 
 POLICY_ROLES = ("policy",)
-INT_PARAMS = ("max_new_tokens", "top_k")
 
 
 def _load_pyfunc(data_path: str) -> PolicyModel | RewardModel:
@@ -43,7 +42,7 @@ def _load_pyfunc(data_path: str) -> PolicyModel | RewardModel:
     folder = referenced_folder(files)
     if settings["role"] in POLICY_ROLES:
         return PolicyModel(folder, GenerationConfig(**settings.get("generation", {})))
-    return RewardModel(folder, settings.get("ensemble", "mean"), float(settings.get("ensemble_coef", 1.0)))
+    return RewardModel(folder)
 
 
 def _texts(model_input: Any, column: str) -> list[str]:
@@ -68,12 +67,10 @@ class PolicyModel:
         self.generation = generation
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        # MLflow has checked and typed the params against the version's signature (GENERATION_PARAMS and seed)
         params = dict(params or {})
         seed = int(params.pop("seed", 0))
-        unknown = sorted(set(params) - set(GENERATION_PARAMS))
-        if unknown:
-            raise ValueError(f"unknown params {unknown}; a policy takes {list(GENERATION_PARAMS)} and seed")
-        generation = replace(self.generation, **{k: int(v) if k in INT_PARAMS else float(v) for k, v in params.items()})
+        generation = replace(self.generation, **params)
         replies = sample_replies(self.model, self.tokenizer, _texts(model_input, "prompt"), generation, seed)
         return pd.DataFrame({"response": list(replies.replies)})
 
@@ -81,11 +78,9 @@ class PolicyModel:
 class RewardModel:
     """A registered reward model (or ensemble): (prompt, response) pairs in, scores out."""
 
-    def __init__(self, folder: Path, ensemble: str = "mean", ensemble_coef: float = 1.0,
-                 runtime: Runtime = Runtime(), batch_size: int = 32) -> None:
+    def __init__(self, folder: Path, runtime: Runtime = Runtime(), batch_size: int = 32) -> None:
         self.tokenizer = load_tokenizer(reward_members(folder)[0])
-        self.scorer = reward_scorer(runtime, folder, self.tokenizer, max_length=1 << 20, batch_size=batch_size,
-                                    ensemble=ensemble, ensemble_coef=ensemble_coef)  # type: ignore[arg-type]
+        self.scorer = reward_scorer(runtime, folder, self.tokenizer, max_length=1 << 20, batch_size=batch_size)
         self.device = runtime.torch_device
 
     @torch.no_grad()
@@ -94,16 +89,11 @@ class RewardModel:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         tok, pad = self.tokenizer, pad_id(self.tokenizer)
-        queries = [encode_prompt(tok, p) for p in prompts]
-        answers = [encode_pair(tok, p, r)[len(q):] for p, r, q in zip(prompts, responses, queries, strict=True)]
-        query_ids, query_mask = left_pad(queries, pad)
-        width = max(len(a) for a in answers)
-        response_ids = torch.full((len(answers), width), pad, dtype=torch.long)
-        response_mask = torch.zeros((len(answers), width), dtype=torch.bool)
-        for row, ids in enumerate(answers):
-            response_ids[row, :len(ids)] = torch.tensor(ids)
-            response_mask[row, :len(ids)] = True
+        query_ids, query_mask = left_pad([encode_prompt(tok, p) for p in prompts], pad)
+        # a reply's ids and eos: prompt and reply are tokenized apart (rlhf_core.models.text), so this is the
+        # tail of encode_pair(prompt, reply)
+        response_ids, response_mask = right_pad([encode_pair(tok, "", r) for r in responses], pad)
         rollout = Rollout(query_ids.to(self.device), query_mask.to(self.device), response_ids.to(self.device),
-                          response_mask.to(self.device), torch.zeros(response_ids.shape, device=self.device),
-                          torch.ones(len(answers), dtype=torch.bool, device=self.device))
+                          response_mask.bool().to(self.device), torch.zeros(response_ids.shape, device=self.device),
+                          torch.ones(len(responses), dtype=torch.bool, device=self.device))
         return pd.DataFrame({"score": self.scorer(rollout).float().cpu().tolist()})
