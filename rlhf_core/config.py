@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from rlhf_core.compat import STATIC_CACHE
 from rlhf_core.ppo.aggregation import LossAggregation
 from rlhf_core.ppo.kl import KLEstimator
 from rlhf_core.ppo.rewards import EnsembleAggregation
@@ -32,9 +33,17 @@ class GenerationConfig:
     """Nucleus sampling threshold (1.0 = off). Log-probs use the full softmax."""
     batch_size: PositiveInt = 64
     """Prompts generated at once (rollouts are produced in chunks of this size)."""
+    cache: Literal["dynamic", "static"] = "dynamic"
+    """The KV cache of the decode loop: 'dynamic' grows it a token at a time; 'static' preallocates it for the
+    longest rollout (transformers' StaticCache, transformers >= 5) and, on CUDA, compiles the decode step with
+    torch.compile, as transformers' own generate does. A speed knob: the same samples and log-probs for the same
+    seed (float32; rlhf_core/training/rollout.py)."""
 
     def __post_init__(self) -> None:
         check_ranges(self, "generation")
+        if self.cache == "static" and not STATIC_CACHE:
+            raise ValueError("generation.cache=static needs transformers >= 5 (its StaticCache keeps its own "
+                             "positions); use cache=dynamic or upgrade transformers")
 
 
 @dataclass(frozen=True)

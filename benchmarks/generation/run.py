@@ -5,9 +5,11 @@ model and batch.
     .venv/bin/python -m benchmarks.generation.run --smoke    # a tiny random model
 
 Same prompts (left-padded), same sampling settings (temperature 0.7, no top-k / top-p), fp32, no gradients.
-Three generators, timed alternately in one process after a warm-up call each:
+Generators, timed alternately in one process after a warm-up call each:
 
-- ``ours``: ``rlhf_core.training.rollout.generate`` (KV cache; returns the ids AND the sampling log-probs);
+- ``ours``: ``rlhf_core.training.rollout.generate`` (dynamic KV cache; returns the ids AND the sampling log-probs);
+- ``ours_static``: the same with ``generation.cache: static`` (a preallocated StaticCache; on CUDA its decode step
+  is compiled); ``--compile-cpu`` also compiles it on CPU, to measure whether that helps there;
 - ``hf_generate``: ``model.generate(do_sample=True)``, ids only;
 - ``hf_generate_scores``: the same with ``output_scores=True, return_dict_in_generate=True``, which is how
   TRL's PPOTrainer gets its old log-probs.
@@ -31,15 +33,17 @@ from benchmarks.common import default_out, machine, median, peak_rss_mib, write_
 from benchmarks.fixtures import build_fixture
 from benchmarks.ppo_vs_trl.settings import Settings
 
-GENERATORS = ("ours", "hf_generate", "hf_generate_scores")
+GENERATORS = ("ours", "ours_static", "hf_generate", "hf_generate_scores")
 
 
-def ours(model, ids, mask, max_new_tokens: int, temperature: float, stop: list[int], pad: int, seed: int) -> int:
+def ours(model, ids, mask, max_new_tokens: int, temperature: float, stop: list[int], pad: int, seed: int,
+         cache: str = "dynamic") -> int:
     """Generated positions (batch x steps) of one call of our rollout generator."""
     from rlhf_core.config import GenerationConfig
     from rlhf_core.training.rollout import generate
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=ids.shape[0])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=ids.shape[0],
+                              cache=cache)
     rollout = generate(model, ids, mask, config, stop, pad, torch.Generator().manual_seed(seed))
     return rollout.response_ids.numel()
 
@@ -67,9 +71,11 @@ def hf(model, ids, mask, max_new_tokens: int, temperature: float, stop: list[int
 
 
 def time_mode(model, ids, mask, s: Settings, stop: list[int], pad: int, repeats: int) -> dict[str, Any]:
-    """Alternate the three generators ``repeats`` times (after one warm-up call each); medians per generator."""
+    """Alternate the generators ``repeats`` times (after one warm-up call each); medians per generator."""
     calls = {
         "ours": lambda seed: ours(model, ids, mask, s.max_new_tokens, s.temperature, stop, pad, seed),
+        "ours_static": lambda seed: ours(model, ids, mask, s.max_new_tokens, s.temperature, stop, pad, seed,
+                                         cache="static"),
         "hf_generate": lambda seed: hf(model, ids, mask, s.max_new_tokens, s.temperature, stop, pad, seed),
         "hf_generate_scores": lambda seed: hf(model, ids, mask, s.max_new_tokens, s.temperature, stop, pad, seed,
                                               scores=True),
@@ -90,6 +96,10 @@ def time_mode(model, ids, mask, s: Settings, stop: list[int], pad: int, repeats:
                         "positions_mean": sum(positions[name]) / repeats}
     result["ratio_ours_over_hf_generate"] = (result["ours"]["median_tokens_per_s"]
                                              / result["hf_generate"]["median_tokens_per_s"])
+    result["ratio_static_over_dynamic"] = (result["ours_static"]["median_tokens_per_s"]
+                                           / result["ours"]["median_tokens_per_s"])
+    result["ratio_static_over_hf_generate"] = (result["ours_static"]["median_tokens_per_s"]
+                                               / result["hf_generate"]["median_tokens_per_s"])
     result["ratio_ours_over_hf_generate_scores"] = (result["ours"]["median_tokens_per_s"]
                                                     / result["hf_generate_scores"]["median_tokens_per_s"])
     return result
@@ -100,10 +110,15 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny random model, 2 repeats")
     parser.add_argument("--repeats", type=int, help="timed calls per generator and mode (default 7; smoke 2)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--compile-cpu", action="store_true", help="compile the static decode step on CPU too")
     parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/generation.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from rlhf_core.training import rollout
+
+    if args.compile_cpu:
+        rollout.COMPILED_DEVICES = rollout.COMPILED_DEVICES | {"cpu"}
     from benchmarks.ppo_vs_trl.settings import smoke_settings
     from rlhf_core.models.roles import load_policy
     from rlhf_core.training.rollout import left_pad
@@ -127,7 +142,7 @@ def main() -> None:
         "machine": before,
         "load_average_at_end": machine()["load_average"],
         "setup": {"batch": s.rollout_batch_size, "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                  "prompt_width": ids.shape[1], "repeats": repeats,
+                  "prompt_width": ids.shape[1], "repeats": repeats, "static_compiled_on": sorted(rollout.COMPILED_DEVICES),
                   "policy_parameters": fixture.info()["policy_parameters"], "fixture": fixture.info()["spec"]},
         "modes": modes,
         "peak_rss_mib": peak_rss_mib(),

@@ -203,6 +203,8 @@ def largest_tensor(shape: ModelShape) -> int:
 MODELS: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama-3.2-1b", "llama", hidden=2048, layers=16, heads=32, kv_heads=8,
                                intermediate=8192, vocab=128256, tied_embeddings=True),
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", "llama", hidden=896, layers=24, heads=14, kv_heads=2,
+                               intermediate=4864, vocab=151936, tied_embeddings=True, qkv_bias=True),
     "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", "llama", hidden=1536, layers=28, heads=12, kv_heads=2,
                                intermediate=8960, vocab=151936, tied_embeddings=True, qkv_bias=True),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", "llama", hidden=3584, layers=28, heads=28, kv_heads=4,

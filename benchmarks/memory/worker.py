@@ -39,7 +39,7 @@ def build_models(setup: str, size: dict[str, int], lora_rank: int) -> PPOModels:
     torch.manual_seed(0)
     policy = disable_dropout(GPT2LMHeadModel(config))
     reward_model = freeze(GPT2ForSequenceClassification(config))
-    scorer = _Scorer(reward_model)
+    scorer = TokenIdScorer(reward_model)
     lora = LoRAConfig(enabled=True, rank=lora_rank, alpha=2.0 * lora_rank)
     if setup == "full":
         return PPOModels(policy, make_reference(policy), scorer, (2,), 0, critic=Critic(reward_model))
@@ -51,9 +51,9 @@ def build_models(setup: str, size: dict[str, int], lora_rank: int) -> PPOModels:
     return PPOModels(policy, reference, scorer, (2,), 0, critic=LoRACritic(reward_model, lora))
 
 
-class _Scorer:
+class TokenIdScorer:
     """The reward model's score at the last real token, in micro-batches (what RewardModelScorer does with a
-    shared tokenizer, without needing one)."""
+    shared tokenizer, without needing one). Its ``model`` is what ``ppo.offload_frozen`` parks."""
 
     def __init__(self, model: GPT2ForSequenceClassification, batch_size: int = 8) -> None:
         self.model, self.batch_size = model, batch_size

@@ -107,8 +107,12 @@ def lora_layers(model: nn.Module) -> Iterator[LoraLayer]:
 
 
 def _reset(layer: LoraLayer, adapter: str, generator: torch.Generator) -> None:
-    """A fresh adapter: ``A`` as nn.Linear initialises its weight (LoRA paper), ``B = 0``."""
-    nn.init.kaiming_uniform_(layer.lora_A[adapter].weight, a=math.sqrt(5), generator=generator)
+    """A fresh adapter: ``A`` as nn.Linear initialises its weight (LoRA paper), ``B = 0``. ``A`` is drawn on the
+    CPU, where the seeded generator lives, and copied to the layer's device: the same adapter on any device."""
+    weight = layer.lora_A[adapter].weight
+    fresh = torch.empty(weight.shape, dtype=weight.dtype)
+    nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+    weight.copy_(fresh)
     nn.init.zeros_(layer.lora_B[adapter].weight)
 
 

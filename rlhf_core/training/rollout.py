@@ -11,17 +11,17 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-import transformers
-from packaging.version import Version
 
+from rlhf_core.compat import CACHE
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.lm_head import split_lm_head
 from rlhf_core.ppo.masking import ended_with_stop, response_mask_from_stop
 
-
-#: The KV cache's keyword and output field: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
-#: warns and goes in 5.40); earlier releases in the supported range know only the old one.
-CACHE = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+STATIC_WIDTH_STEP = 64
+"""A static cache's length is the rollout's (prompt width + max_new_tokens) rounded up to this, so that chunks with
+slightly different prompt widths reuse one cache and one compiled decode step."""
+COMPILED_DEVICES = frozenset({"cuda"})
+"""Device types on which the static path compiles its decode step (benchmarks/generation measures CPU both ways)."""
 
 
 @dataclass
@@ -154,15 +154,11 @@ def _sample_loop(
     """The token-by-token loop (vectorised over the batch). Returns ids and log-probs, (B, Tr) each."""
     device = query_ids.device
     batch, query_len = query_ids.shape
-    # The mask of the whole rollout up front: finished rows keep feeding pad, whose tail is masked out
-    # afterwards, so attending to it is harmless. Step t passes the first query_len + t + 1 columns.
-    attention = torch.cat([query_mask.long(), query_mask.new_ones((batch, config.max_new_tokens)).long()], dim=1)
-    positions = positions_from_mask(attention[:, :query_len])
+    decoder = _Decoder(model, config, query_mask)
     # Only the last prompt position's logits are used; models with a plain output layer skip the others.
     last_only = {"logits_to_keep": 1} if split_lm_head(model) is not None else {}
-    out = model(input_ids=query_ids, attention_mask=attention[:, :query_len], position_ids=positions, use_cache=True,
-                **last_only)
-    past, next_logits = getattr(out, CACHE), out.logits[:, -1, :]
+    positions = positions_from_mask(query_mask.long())
+    next_logits = decoder.prefill(query_ids, positions, last_only)
     next_position = positions[:, -1:] + 1  # (B, 1)
     stops = torch.as_tensor(list(stop_token_ids), device=device, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -178,16 +174,73 @@ def _sample_loop(
         done = done | torch.isin(token, stops)
         if bool(done.all()) or step + 1 == config.max_new_tokens:
             return tokens[:, : step + 1], logprobs[:, : step + 1]
-        out = model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=attention[:, : query_len + step + 1],
-            position_ids=next_position,
-            use_cache=True,
-            **{CACHE: past},
-        )
-        past, next_logits = getattr(out, CACHE), out.logits[:, -1, :]
+        next_logits = decoder.step(token.unsqueeze(1), next_position, query_len + step + 1)
         next_position = next_position + 1
     raise AssertionError("unreachable: the loop returns at its last step")
+
+
+class _Decoder:
+    """The model calls of one rollout batch, with a dynamic or a static KV cache (``config.cache``).
+
+    The attention mask of the whole rollout is built up front: finished rows keep feeding pad, whose tail is masked
+    out afterwards, so attending to it is harmless. The dynamic path passes the columns seen so far; the static path
+    passes every column of its preallocated cache at every step (causal masking hides the ones not written yet), so
+    the decode step has one shape and compiles once. Its cache and compiled step live on the model, as in
+    transformers' own generate: reused by the next batch of the same shape, and kept allocated while the model lives.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: GenerationConfig, query_mask: torch.Tensor) -> None:
+        batch, query_len = query_mask.shape
+        width = query_len + config.max_new_tokens
+        if config.cache == "static":
+            width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+        self.attention = torch.cat([query_mask.long(), query_mask.new_ones((batch, width - query_len)).long()], dim=1)
+        self.model, self.static = model, config.cache == "static"
+        self.cache = _static_cache(model, batch, width) if self.static else None
+        self.decode = _compiled_call(model) if self.static and query_mask.device.type in COMPILED_DEVICES else model
+
+    def prefill(self, query_ids: torch.Tensor, positions: torch.Tensor, extra: dict) -> torch.Tensor:
+        """Run the prompts through the model; the next-token logits, (B, V)."""
+        mask = self.attention if self.static else self.attention[:, : query_ids.shape[1]]
+        out = self.model(input_ids=query_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **({CACHE: self.cache} if self.static else {}), **extra)
+        self.cache = getattr(out, CACHE)
+        return out.logits[:, -1, :]
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, seen: int) -> torch.Tensor:
+        """One token per row (B, 1) at ``position`` (B, 1), ``seen`` columns written before it; logits (B, V)."""
+        mask = self.attention if self.static else self.attention[:, :seen]
+        if self.decode is not self.model:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.decode(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                          **{CACHE: self.cache})
+        self.cache = getattr(out, CACHE)
+        return out.logits[:, -1, :].clone() if self.decode is not self.model else out.logits[:, -1, :]
+
+
+def _static_cache(model: torch.nn.Module, batch: int, width: int):  # noqa: ANN202 (transformers' StaticCache)
+    """The model's static cache for ``batch`` rows of ``width`` positions, emptied; made anew for another shape."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    shape = (batch, width, device, torch.is_autocast_enabled(device.type))  # autocast changes the cache's dtype
+    held = model.__dict__.get("_rlhf_static_cache")
+    if held is not None and held[0] == shape:
+        held[1].reset()
+        return held[1]
+    lm = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    cache = StaticCache(config=lm.config, max_cache_len=width)
+    model.__dict__["_rlhf_static_cache"] = (shape, cache)  # not a submodule: never in a state dict
+    return cache
+
+
+def _compiled_call(model: torch.nn.Module):  # noqa: ANN202 (torch.compile's wrapper)
+    """``model.__call__`` compiled once per model for the fixed-shape decode step (CUDA graphs: 'reduce-overhead')."""
+    compiled = model.__dict__.get("_rlhf_compiled_decode")
+    if compiled is None:
+        compiled = torch.compile(model.__call__, mode="reduce-overhead", dynamic=False)
+        model.__dict__["_rlhf_compiled_decode"] = compiled
+    return compiled
 
 
 def generate_in_batches(

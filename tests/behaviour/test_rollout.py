@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.roles import policy_forward
-from rlhf_core.training.rollout import filter_logits, generate, left_pad
+from rlhf_core.training.rollout import filter_logits, generate, generate_in_batches, left_pad
+from tests.model_families import DECODERS, POLICY_CLASSES, config
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS = 0, 1, 2
@@ -88,3 +90,36 @@ def test_generation_calls_no_deprecated_transformers_api():
         generate(model(), ids, mask, GenerationConfig(max_new_tokens=4), [EOS], PAD, torch.Generator().manual_seed(0))
     deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert deprecations == []
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_static_cache_gives_the_dynamic_paths_samples_and_logprobs(family: str):
+    """``cache: static`` is a speed knob: the same seed gives the same replies and log-probs (float32), also
+    when chunks of different prompt widths and a smaller last chunk reuse or replace the model's static cache."""
+    torch.manual_seed(0)
+    policy = POLICY_CLASSES[family](config(family, initializer_range=0.2)).eval()
+    stop = [3]
+    prompts = [[5, 6, 7], [9], [4, 8, 10, 11, 12], [6, 6], [7, 5, 9, 9, 9, 9, 9], [8]]
+    runs = {}
+    for cache in ("dynamic", "static"):
+        settings = GenerationConfig(max_new_tokens=12, temperature=0.8, top_k=20, batch_size=4, cache=cache)
+        runs[cache] = list(generate_in_batches(policy, prompts, settings, stop, 0, torch.Generator().manual_seed(5)))
+    assert len(runs["static"]) == 2  # a chunk of 4 rows, then one of 2: a second cache shape
+    for dynamic, static in zip(runs["dynamic"], runs["static"], strict=True):
+        assert torch.equal(static.response_ids, dynamic.response_ids)
+        assert torch.equal(static.response_mask, dynamic.response_mask)
+        torch.testing.assert_close(static.logprobs, dynamic.logprobs, atol=1e-5, rtol=0)
+    assert len({tuple(r) for chunk in runs["static"] for r in chunk.response_ids.tolist()}) > 1
+    # The same shape twice in a row: the second call reuses the held cache, which must start empty.
+    ids, mask = left_pad(prompts[4:], 0)
+    replies = [generate(policy, ids, mask, settings, stop, 0, torch.Generator().manual_seed(9)).response_ids
+               for _ in range(2)]
+    assert torch.equal(replies[0], replies[1])
+
+
+def test_static_cache_is_refused_in_one_line_where_transformers_lacks_it(monkeypatch: pytest.MonkeyPatch):
+    import rlhf_core.config
+
+    monkeypatch.setattr(rlhf_core.config, "STATIC_CACHE", False)
+    with pytest.raises(ValueError, match="generation.cache=static needs transformers >= 5"):
+        GenerationConfig(cache="static")

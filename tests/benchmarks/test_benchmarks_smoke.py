@@ -58,14 +58,17 @@ def test_generation_smoke(tmp_path: Path):
     result = run_smoke("benchmarks.generation.run", tmp_path / "generation.json")
     for mode in ("fixed_length", "with_stop"):
         timings = result["modes"][mode]
-        for name in ("ours", "hf_generate", "hf_generate_scores"):
+        for name in ("ours", "ours_static", "hf_generate", "hf_generate_scores"):
             assert timings[name]["median_tokens_per_s"] > 0
         assert timings["ratio_ours_over_hf_generate"] == pytest.approx(
             timings["ours"]["median_tokens_per_s"] / timings["hf_generate"]["median_tokens_per_s"])
+        assert timings["ratio_static_over_dynamic"] == pytest.approx(
+            timings["ours_static"]["median_tokens_per_s"] / timings["ours"]["median_tokens_per_s"])
     # Without a stop token every generator produces exactly batch x max_new_tokens positions.
     fixed = result["modes"]["fixed_length"]
     expected = result["setup"]["batch"] * result["setup"]["max_new_tokens"]
-    assert {fixed[name]["positions_mean"] for name in ("ours", "hf_generate", "hf_generate_scores")} == {expected}
+    names = ("ours", "ours_static", "hf_generate", "hf_generate_scores")
+    assert {fixed[name]["positions_mean"] for name in names} == {expected}
 
 
 def test_mfu_smoke(tmp_path: Path):
@@ -77,3 +80,24 @@ def test_mfu_smoke(tmp_path: Path):
     assert result["mfu_vs_best_matmul"] == pytest.approx(result["achieved_flops"] / result["matmul_peak"]["best_flops"])
     assert 0 < update["real_tokens"] <= update["padded_positions"]
     assert "6 * N" in result["formula"]
+
+
+def test_gpu_check_smoke(tmp_path: Path):
+    """The GPU check runs every section on CPU (a tiny Qwen2 shape) and records no failure; what it compares holds
+    here too: offload changes no parameter (and the control agrees with itself), the chunked vocabulary equals one
+    pass, and both decode paths' log-probs match a full forward."""
+    result = run_smoke("benchmarks.gpu_check.run", tmp_path / "gpu_check.json")
+    assert result["errors"] == {} and result["complete"] is True
+    results = result["results"]
+    for setup in ("lora_head", "lora_critic", "full_head", "full_critic"):
+        ppo = results[f"ppo/{setup}"]
+        assert ppo["training_mfu"] > 0 and ppo["generated_tokens_per_s"] > 0
+        assert set(ppo["predicted_gib"]) == {"between_steps", "experience", "update"}
+    assert results["ppo/full_critic"]["trainable_parameters"] > results["ppo/full_head"]["trainable_parameters"]
+    assert results["offload"]["control_bit_identical"] and results["offload"]["bit_identical"]
+    assert results["vocab"]["rows"] > results["vocab"]["rows_per_chunk"]  # the check really chunks
+    assert max(results["vocab"]["max_abs_diff"].values()) < 1e-4
+    decode = results["decode"]
+    assert decode["static_over_dynamic"] == pytest.approx(
+        decode["ours_static"]["tokens_per_s"] / decode["ours_dynamic"]["tokens_per_s"])
+    assert max(gap["max"] for gap in decode["logprob_vs_recomputation"].values()) < 0.05

@@ -105,6 +105,7 @@ def test_published_shapes_match_published_parameter_counts() -> None:
     assert causal_lm_parameters(MODELS["llama-2-7b"]) == 6_738_415_616
     assert causal_lm_parameters(MODELS["llama-3.2-1b"]) == 1_235_814_400
     assert causal_lm_parameters(MODELS["qwen2.5-1.5b"]) == 1_543_714_304
+    assert causal_lm_parameters(MODELS["qwen2.5-0.5b"]) == 494_032_768
 
 
 def test_hand_computed_parameters_and_trained_state_bytes() -> None:
