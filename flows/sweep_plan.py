@@ -9,11 +9,12 @@ would compute the same things), and any selection metric that reads gold, which 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.evaluation.metrics import frontier_at
 from tasks.config import ConfigError, PipelineConfig, resolve_config
 from tasks.run_store.keys import canonical
 from tasks.typed_yaml import one_line
@@ -29,19 +30,39 @@ NOT_IN_GRID = {"seed": "give seeds with --seeds (e.g. --seeds 0,1,2)",
 
 @dataclass(frozen=True)
 class Selector:
-    """A metric of a run's final policy that ``--select`` may rank settings by (higher is better)."""
+    """A score of a run's final policy that ``--select`` may rank settings by (higher is better)."""
 
     name: str
-    summary_key: str
-    """Where it is in a run's summary: a key of ``iterations[-1]`` (the last evaluation's metrics)."""
+    score: Callable[[Mapping[str, Any]], float | None]
+    """The score from a run's summary (``iterations[-1]``: the last evaluation's metrics; ``best_of_n``: its seed's
+    best-of-N points); None where the summary lacks what it needs."""
     description: str
 
 
+def final_metric(key: str) -> Callable[[Mapping[str, Any]], float | None]:
+    """The score that is one metric of the last evaluation."""
+    return lambda summary: summary["iterations"][-1].get(key)
+
+
+def heldout_frontier_gain(summary: Mapping[str, Any]) -> float | None:
+    """The final held-out mean minus the seed's best-of-N held-out curve at the final KL (``frontier_at``: linear,
+    continued past best-of-N's largest n); None without a best-of-N curve."""
+    final = summary["iterations"][-1]
+    points = [(p["kl"], p["heldout"]) for p in summary.get("best_of_n") or [] if p.get("heldout") is not None]
+    if len(points) < 2 or final.get("eval/heldout/mean") is None or final.get("eval/kl/mean") is None:
+        return None
+    return final["eval/heldout/mean"] - frontier_at(points, final["eval/kl/mean"])
+
+
 SELECTORS = {s.name: s for s in (
-    Selector("heldout", "eval/heldout/mean", "the held-out reward model's mean score of the final policy's replies"),
-    Selector("heldout_win_rate", "eval/win_rate/heldout",
+    Selector("heldout", final_metric("eval/heldout/mean"),
+             "the held-out reward model's mean score of the final policy's replies"),
+    Selector("frontier", heldout_frontier_gain,
+             "the held-out reward model's gain over best-of-N from the SFT policy at the same KL"),
+    Selector("heldout_win_rate", final_metric("eval/win_rate/heldout"),
              "how often the held-out reward model prefers the final policy's reply to the SFT policy's"),
-    Selector("proxy", "eval/proxy/mean", "the proxy reward model's mean score (what PPO optimised: easy to hack)"),
+    Selector("proxy", final_metric("eval/proxy/mean"),
+             "the proxy reward model's mean score (what PPO optimised: easy to hack)"),
 )}
 DEFAULT_SELECT = "heldout"
 

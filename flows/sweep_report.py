@@ -52,8 +52,8 @@ def _row(label: str, cells: Sequence[Mapping[str, Any]], select: Selector) -> di
     row["hacking_heldout"] = sum(s.get("heldout_status") == "hacking" for s in done)
     row["warn_heldout"] = sum(s.get("heldout_status") == "warn" for s in done)
     row["hacking_gold"] = sum(s["status"] == "hacking" and _judged_by_gold(s) for s in done)
-    kept = [f for s, f in zip(done, finals, strict=True) if s.get("heldout_status", "ok") == "ok"]
-    row["select"] = mean_sd([f[select.summary_key] for f in kept if f.get(select.summary_key) is not None])
+    kept = [s for s in done if s.get("heldout_status", "ok") == "ok"]
+    row["select"] = mean_sd([v for v in map(select.score, kept) if v is not None])
     return row
 
 

@@ -7,9 +7,12 @@
 The protocol:
 
 1. **Tune** (``tune``): each method's grids (``TUNING``) run as `rlhf sweep` on the tuning seeds, round after round:
-   a round's grid sits on top of the settings the earlier rounds chose. The sweep names the winner by the held-out
-   reward model's final mean over seeds (``--select heldout``), leaving out runs its verdict flags as hacking; gold is
-   never read for this. The chosen settings are written to ``benchmarks/results/methods_tuning.json``.
+   a round's grid sits on top of the settings the earlier rounds chose. The sweep names the winner by ``--select``,
+   leaving out runs its verdict flags as hacking; gold is never read for this. From round 3 on the rule is
+   ``frontier`` (the held-out reward model's gain over best-of-N at the run's KL), declared before its rounds run;
+   rounds 1 and 2 chose by ``heldout`` (the final held-out mean), which ranked the settings against gold on those
+   seeds (``benchmarks/methods/selection.py``, docs/results.md). The chosen settings are written to
+   ``benchmarks/results/methods_tuning.json``.
 2. **Report** (``report``): each method's chosen settings (``METHODS``, copied from the tuning result; the demo
    preset holds PPO's and DPO's) run on seeds that tuning never saw, with more evaluation prompts. Every run also
    computes best-of-N from its seed's SFT policy. Gold is read here for the first time: mean and standard error over
@@ -71,13 +74,13 @@ BEST_OF = 16
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
-          log: Path) -> dict[str, Any]:
+          log: Path, select: str = "frontier") -> dict[str, Any]:
     """One `rlhf sweep`; its report (``sweep_report.json``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     grids = [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
     command = [sys.executable, "-m", "flows.cli", "sweep", "--preset", preset, "--state-dir", str(state),
-               "--seeds", seeds, *grids, *overrides]
+               "--seeds", seeds, "--select", select, *grids, *overrides]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     line = next((ln for ln in log.read_text().splitlines() if ln.startswith("report: ")), None)
@@ -95,7 +98,7 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
         for r, grid in enumerate(spec["rounds"], 1):
             shared = [f"{k}={v}" for k, v in settings.items() if k not in grid]  # the round's grid decides its keys
             report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
-                           logs / f"tune-{method}-round{r}.log")
+                           logs / f"tune-{method}-round{r}.log", args.select)
             rounds.append(report)
             if report["winner"] is None:
                 raise RuntimeError(f"{method} round {r}: no eligible setting (every run flagged by the held-out RM)")
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", default=None, help="comma-separated (default: 0,1,2 to tune, 3,4,5,6,7 to report)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--preset", default="demo")
+    parser.add_argument("--select", default="frontier", help="the sweep's rule for tuning rounds (default frontier)")
     parser.add_argument("--state-dir", type=Path, default=None, help="shared state folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--eval-prompts", type=int, default=None,

@@ -236,6 +236,26 @@ def best_of_n_kl(n: int) -> float:
     return math.log(n) - (n - 1) / n
 
 
+def frontier_at(points: Sequence[tuple[float, float]], kl: float, extrapolate: bool = True) -> float:
+    """The best-of-N curve's score at ``kl``: ``points`` are (KL, score) pairs, one per n (at least two); linear
+    between neighbours, below the first point its value, past the last one continued along the last segment
+    (``extrapolate``) or held at the last value.
+
+    Gao et al. (2022) compare RL with best-of-N at matched KL, and RL spends more KL for the same gold: the gain of a
+    policy over this curve at its own KL is how much better it does than sampling N and keeping the best would.
+    """
+    if len(points) < 2:
+        raise ValueError(f"a best-of-N frontier needs at least two points (n values), got {len(points)}")
+    ordered = sorted(points)
+    if kl <= ordered[0][0]:
+        return ordered[0][1]
+    for (kl_lo, lo), (kl_hi, hi) in zip(ordered, ordered[1:]):
+        if kl <= kl_hi:
+            return lo + (hi - lo) * (kl - kl_lo) / (kl_hi - kl_lo)
+    (kl_lo, lo), (kl_hi, hi) = ordered[-2:]
+    return hi + (hi - lo) * (kl - kl_hi) / (kl_hi - kl_lo) if extrapolate else hi
+
+
 # --- reward-hacking verdict ---------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from transformers import GPT2LMHeadModel
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.best_of_n import (Candidates, best_of_n_curve, best_of_n_indices, best_of_n_kl, check_ns,
                                             sample_candidates, score_candidates, take)
+from rlhf_core.evaluation.metrics import frontier_at
 from rlhf_core.models.scoring import TextRewardFunction, decode_rollout
 from tests.tiny_models import gpt2_config, word_tokenizer
 
@@ -108,3 +109,17 @@ def test_sample_candidates_repeats_each_prompt_in_a_row_and_is_seeded() -> None:
     scores = score_candidates(candidates, {"words": words})
     assert scores["words"].shape == (3, 4)
     assert scores["words"].flatten().tolist() == [len(r.split()) for r in candidates.replies]
+
+
+def test_frontier_interpolates_between_best_of_n_points_and_continues_past_the_last():
+    """Points (KL, score) (0, 1.0), (1, 2.0), (2, 2.5), given out of order: 1.5 at KL 0.5 and 2.25 at 1.5 (linear);
+    at KL 3 the last segment's slope 0.5 continues to 3.0, or the curve holds at 2.5; below the first point, 1.0."""
+    points = [(2.0, 2.5), (0.0, 1.0), (1.0, 2.0)]
+    assert frontier_at(points, 0.5) == pytest.approx(1.5)
+    assert frontier_at(points, 1.5) == pytest.approx(2.25)
+    assert frontier_at(points, 2.0) == pytest.approx(2.5)
+    assert frontier_at(points, 3.0) == pytest.approx(3.0)
+    assert frontier_at(points, 3.0, extrapolate=False) == pytest.approx(2.5)
+    assert frontier_at(points, -1.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least two points"):
+        frontier_at([(0.0, 1.0)], 0.5)

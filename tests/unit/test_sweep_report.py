@@ -69,6 +69,23 @@ def test_the_winner_is_chosen_on_the_heldout_rm_leaving_out_runs_its_verdict_doe
     assert "rlhf sweep --resume S" in markdown and "winner by heldout" in text and "k=b" in text.splitlines()[-2]
 
 
+def test_frontier_selection_scores_the_heldout_gain_over_best_of_n_at_the_runs_kl() -> None:
+    """Best-of-N held-out (0.53 at KL 0, 1.0 at KL log 16 - 15/16 = 1.835; slope 0.256 per nat). Setting a: held-out
+    1.2 at KL 1.0 -> the curve there is 0.786, gain 0.414. Setting b: held-out 1.5 at KL 6.0 -> the curve continued
+    is 2.066, gain -0.566. ``heldout`` picks b, ``frontier`` picks a; a run without best-of-N has no score."""
+    cells = [cell("k=a", 0, summary(0, 1.2, 1.0, 1.0), "r1"), cell("k=b", 0, summary(0, 1.5, 1.0, 6.0), "r2")]
+    kl16, low, high = math.log(16) - 15 / 16, 0.5 + 1 / 32, 0.5 + 16 / 32
+    slope = (high - low) / kl16
+    assert build_report("S", selector("heldout"), cells)["winner"] == "k=b"
+    report = build_report("S", selector("frontier"), cells)
+    rows = {r["setting"]: r for r in report["settings"]}
+    assert report["winner"] == "k=a" and rows["k=a"]["select"][0] == pytest.approx(1.2 - (low + slope * 1.0))
+    assert rows["k=b"]["select"][0] == pytest.approx(1.5 - (high + slope * (6.0 - kl16)))
+    assert rows["k=a"]["select"][0] == pytest.approx(0.414, abs=1e-3)
+    no_curve = {**summary(0, 1.2, 1.0, 1.0), "best_of_n": []}
+    assert build_report("S", selector("frontier"), [cell("k=a", 0, no_curve, "r3")])["winner"] is None
+
+
 def test_no_eligible_setting_names_no_winner() -> None:
     cells = [cell("k=a", 0, summary(0, 1.0, 1.0, 1.0, heldout_status="hacking"), "r1")]
     report = build_report("S", selector("heldout"), cells)
