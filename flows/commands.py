@@ -33,8 +33,10 @@ def prepare_environment(state_dir: str) -> None:
     When ``rlhf server`` runs for this state folder (and PREFECT_API_URL is unset), runs go to that server, so
     they show in its UI; otherwise Prefect starts a temporary server for the command.
     """
+    from tasks.run_store.layout import Layout
+
     root = Path(state_dir).resolve()
-    os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))
+    os.environ.setdefault("PREFECT_HOME", str(Layout(root).prefect_home))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server gets 20 s by default, which a busy 2-core machine can miss; a busy server gets retries.
@@ -55,7 +57,9 @@ def running_server(state_dir: Path) -> str | None:
     import json
     import urllib.request
 
-    info = state_dir / "prefect" / SERVER_FILE
+    from tasks.run_store.layout import Layout
+
+    info = Layout(state_dir).prefect_home / SERVER_FILE
     try:
         url = json.loads(info.read_text(encoding="utf-8"))["api_url"]
         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
@@ -240,7 +244,7 @@ def mlflow_hint(store: RunStore, summary: dict) -> str:
     run_id = summary.get("mlflow_run_id")
     if summary.get("mlflow_url"):
         return f"MLflow run: {summary['mlflow_url']}"
-    port = free_port(5000)
+    port = server_port(5000)
     base = f"http://127.0.0.1:{port}"
     url = tracking.run_url(run_id, base) if run_id else base
     runs = url.split("/runs/", 1)[0] + "/runs?workflowType=machine_learning" if run_id else base
@@ -250,7 +254,7 @@ def mlflow_hint(store: RunStore, summary: dict) -> str:
             f"  (all runs of the experiment, to select and compare: {runs})")
 
 
-def free_port(preferred: int) -> int:
+def server_port(preferred: int) -> int:
     """``preferred`` when nothing listens on it, else a port the system picks."""
     import socket
 
@@ -444,19 +448,20 @@ def _server(args: argparse.Namespace) -> int:
     import subprocess
 
     from tasks.run_store import RunStore, StateError
+    from tasks.run_store.layout import Layout
 
     root = Path(args.state_dir).resolve()
     running = running_server(root)
     if running is not None:
         raise StateError(f"a Prefect server for {root} runs already: {running} "
-                         f"(pid {json.loads((root / 'prefect' / SERVER_FILE).read_text())['pid']})")
+                         f"(pid {json.loads((Layout(root).prefect_home / SERVER_FILE).read_text())['pid']})")
     os.environ.pop("PREFECT_API_URL", None)  # this process creates the server's database, it is no client
     prepare_environment(str(root))
     store = RunStore(root).ensure()
     ensure_prefect_database(store)
-    port = free_port(args.port)
+    port = server_port(args.port)
     url = f"http://127.0.0.1:{port}/api"
-    info = root / "prefect" / SERVER_FILE
+    info = store.layout.prefect_home / SERVER_FILE
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server with us
     process = None
     try:

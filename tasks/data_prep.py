@@ -140,7 +140,7 @@ def prepare(cfg: Config, out: Path) -> Result:
     for name in (TRAIN_FILE, HELDOUT_FILE, PPO_PROMPTS_FILE, COUNTS_FILE, EVAL_PROMPTS_FILE, SFT_TRAIN_FILE,
                  SFT_EVAL_FILE):
         (out / name).unlink(missing_ok=True)  # `rlhf prep` into a used folder: no stale mix after a failure
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = length_tokenizer(cfg)
     if cfg.source == "demo":
         return _prepare_demo(cfg, out, tokenizer)
     sources = [read_source(uri) for uri in cfg.files]
@@ -204,7 +204,7 @@ def _prepare_demo(cfg: Config, out: Path, tokenizer: PreTrainedTokenizerBase | N
                   metrics=counts.as_metrics() | demo_counts.as_metrics())
 
 
-def load_tokenizer(cfg: Config) -> PreTrainedTokenizerBase | None:
+def length_tokenizer(cfg: Config) -> PreTrainedTokenizerBase | None:
     """The tokenizer the lengths count (``cfg.tokenizer`` with ``cfg.tokens``, loaded as every stage loads the
     policy's), or None for characters. DataError in one line when it cannot be loaded."""
     if cfg.tokenizer is None:

@@ -21,7 +21,7 @@ from typing import Any
 
 
 from rlhf_core.config import PPOConfig, RewardTrainingConfig
-from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
+from rlhf_core.distributed.deepspeed_config import load_deepspeed_config
 from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed, partitioned_loading
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.ppo_loop import train_ppo

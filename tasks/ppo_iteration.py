@@ -101,7 +101,7 @@ class Result:
     """The last update's ``ppo/*`` metrics."""
     policy: str = POLICY_DIR
     checkpoint: str = CHECKPOINT_DIR
-    """The final checkpoint, in the iteration's resume state (:func:`resume_checkpoint`), not in the artifact."""
+    """The final checkpoint, in the iteration's resume state (:func:`resume_state_checkpoint`), not in the artifact."""
     samples: str = SAMPLES_FILE
     plot: str | None = None
     metrics_file: str = METRICS_FILE
@@ -112,7 +112,7 @@ def model_input(artifact: Artifact) -> ModelInput:
     return ModelInput(artifact, STAGE.result(artifact).policy)
 
 
-def resume_checkpoint(store: RunStore, artifact: Artifact) -> Path:
+def resume_state_checkpoint(store: RunStore, artifact: Artifact) -> Path:
     """The final checkpoint of a ppo-iteration artifact, which the next iteration continues from; ResumeStateError
     in one line when ``ppo.keep_resume_states`` pruned it."""
     iteration = int(artifact.result["iteration"])
@@ -126,7 +126,7 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     target_steps = cfg.iteration * cfg.updates_per_iteration
     init_from = None
     if inputs.previous is not None:
-        init_from = str(resume_checkpoint(ctx.store, inputs.previous))
+        init_from = str(resume_state_checkpoint(ctx.store, inputs.previous))
     elif cfg.iteration > 1:
         raise ValueError(f"iteration {cfg.iteration} continues iteration {cfg.iteration - 1}, which was not given")
     reference_dir, reward_dir = inputs.reference.path, inputs.reward.path

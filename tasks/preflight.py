@@ -16,8 +16,8 @@ import torch
 
 from rlhf_core.models.families import config_positions
 from rlhf_core.models.lm import model_size
-from tasks.preflight_models import (MODEL_WORDS, POLICY_KEY, ModelsAtHand, check_critic, check_model_kinds,
-                                    hub_cache, model_folder, require_exists)
+from tasks.preflight_models import (MODEL_WORDS, POLICY_KEY, ModelsAtHand, check_model_kinds, hub_cache, model_folder,
+                                    preflight_critic, require_exists)
 from tasks.run_store.keys import path_settings
 from tasks.typed_yaml import ConfigError, bad_value, source_of
 
@@ -31,7 +31,7 @@ def check_environment(config: PipelineConfig, origins: Mapping[str, str]) -> Non
     """ConfigError (one line) for the first setting this machine cannot honour."""
     models = _check_paths(config, origins)
     check_model_kinds(models)
-    check_critic(config, origins, models)
+    preflight_critic(config, origins, models)
     _check_deepspeed(config, origins)
     _check_device(config, origins)
     _check_precision(config, origins)
@@ -60,7 +60,7 @@ def _check_paths(config: PipelineConfig, origins: Mapping[str, str]) -> ModelsAt
 
 
 def _check_deepspeed(config: PipelineConfig, origins: Mapping[str, str]) -> None:
-    from rlhf_core.distributed.deepspeed_config import load_config as load_deepspeed_config
+    from rlhf_core.distributed.deepspeed_config import load_deepspeed_config
 
     distributed = config.distributed
     if distributed.deepspeed_config is None:

@@ -239,7 +239,7 @@ def check_model_kinds(models: ModelsAtHand) -> None:
                                                             "do)") from None
 
 
-def check_critic(config: PipelineConfig, origins: Mapping[str, str], models: ModelsAtHand) -> None:
+def preflight_critic(config: PipelineConfig, origins: Mapping[str, str], models: ModelsAtHand) -> None:
     """A critic is the proxy reward model reading the policy's token ids: it needs a per-token score head and
     the policy's vocabulary."""
     ppo = config.ppo

@@ -1,4 +1,4 @@
-"""A BERT encoder reward model with its own WordPiece tokenizer against the default reward model (issue 16).
+"""A BERT encoder reward model with its own WordPiece tokenizer against the default reward model.
 
     .venv/bin/python benchmarks/byo_models/run.py                  # two `rlhf demo` runs, one at a time (~6 min)
     .venv/bin/python benchmarks/byo_models/run.py --learning-rates 1e-4   # and an encoder run at 1e-4

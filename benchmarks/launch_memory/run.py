@@ -1,4 +1,4 @@
-"""The stage process's memory while its DeepSpeed workers train (issue 17: the stage holds no model meanwhile).
+"""The stage process's memory while its DeepSpeed workers train (the stage holds no model meanwhile).
 
     .venv/bin/python -m benchmarks.launch_memory.run            # ~43M-parameter GPT-2 reward model (~3-5 min)
     .venv/bin/python -m benchmarks.launch_memory.run --smoke    # a tiny one (~1 min: the workers' start dominates)

@@ -1,4 +1,4 @@
-"""Peak memory of one PPO step: four full models vs LoRA-shared models (issue 6 target: LoRA <= 60% of full).
+"""Peak memory of one PPO step: four full models vs LoRA-shared models (target: LoRA <= 60% of full).
 
     .venv/bin/python -m benchmarks.memory.run            # ~29M-parameter GPT-2s, 3 setups x 2 runs (~12 min)
     .venv/bin/python -m benchmarks.memory.run --smoke    # tiny models, 1 run each (~1 min)

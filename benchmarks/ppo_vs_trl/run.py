@@ -1,7 +1,7 @@
 """This project's PPO step vs TRL 1.12's PPOTrainer on the same models, prompts and hyperparameters.
 
     .venv/bin/python -m benchmarks.ppo_vs_trl.run --threads 1                  # ~3.5M params: 3 runs per side
-    .venv/bin/python -m benchmarks.ppo_vs_trl.run --threads 1 --preset small   # ~0.5M params (issue's scale)
+    .venv/bin/python -m benchmarks.ppo_vs_trl.run --threads 1 --preset small   # ~0.5M params (the 2x target's scale)
     .venv/bin/python -m benchmarks.ppo_vs_trl.run --smoke                      # tiny models, 1 run per side
 
 Runs alternate ours, TRL, ours, TRL ... each in a fresh process (run k of each side uses seed k), so slow
@@ -86,7 +86,7 @@ def summarise_side(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
-    """Ratios ours / TRL of the median phase times (below 1 = ours faster) and the targets of issue 6."""
+    """Ratios ours / TRL of the median phase times (below 1 = ours faster) and the speed targets (ours 2x)."""
     ratios = {k: ours[f"median_{k}"] / trl[f"median_{k}"] if trl[f"median_{k}"] else None for k in PHASES}
     speedup = trl["median_total_s"] / ours["median_total_s"]
     return {

@@ -72,7 +72,7 @@ def smoke_settings() -> Settings:
 
 
 def small_settings() -> Settings:
-    """The scale of issue 6's reference measurement: a ~0.5M-parameter GPT-2 (2 x 128), 32 new tokens.
+    """The scale of the first speed target: a ~0.5M-parameter GPT-2 (2 x 128), 32 new tokens.
 
     Fixed costs (Python per generated token, TRL's ``gc.collect()`` calls) weigh more here than at the
     default ~3.5M parameters, where the matmuls of the training phase dominate both sides.
@@ -96,7 +96,7 @@ def ours_config(s: Settings, seed: int) -> PPOConfig:
         value_learning_rate=s.learning_rate,
         weight_decay=0.0,
         lr_schedule="constant",
-        # TRL 1.12's PPO never clips gradients (PPO_NOTES item 12): an infinite norm makes ours a no-op too.
+        # TRL 1.12's PPO never clips gradients: an infinite norm makes ours a no-op too.
         max_grad_norm=math.inf,
         clip_range=s.clip_range,
         clip_range_value=s.clip_range_value,
@@ -161,7 +161,7 @@ def trl_config_kwargs(s: Settings, seed: int, output_dir: str) -> dict[str, Any]
 
 #: Settings that differ between the two sides and why. Written into the result JSON and into the README.
 UNMATCHED: dict[str, str] = {
-    "reward position": "TRL adds the score one slot after the last real token (the first pad; trl issue 3750); "
+    "reward position": "TRL adds the score one slot after the last real token (the first pad); "
     "ours adds it on the last real token (the stop token). Not configurable in TRL.",
     "value mask": "TRL trains values on one extra (pad) position after each response (padding_mask_p1); ours on "
     "real response tokens only.",

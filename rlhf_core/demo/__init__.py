@@ -12,7 +12,7 @@ from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE, SimulatedAnnotator, pr
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.demo.generator import (
     Demonstration,
-    PreferencePair,
+    PreferenceRow,
     generate_preference_pairs,
     generate_sft_demonstrations,
     task_texts,
@@ -28,7 +28,7 @@ __all__ = [
     "RULES",
     "DemoDataConfig",
     "Demonstration",
-    "PreferencePair",
+    "PreferenceRow",
     "PromptRecord",
     "ReplySpec",
     "SimulatedAnnotator",

@@ -20,7 +20,7 @@ PAIR_QUALITY_WEIGHTS: tuple[float, float, float] = (0.35, 0.40, 0.25)
 SFT_QUALITY_WEIGHTS: tuple[float, float, float] = (0.20, 0.60, 0.20)
 
 
-class PreferencePair(TypedDict):
+class PreferenceRow(TypedDict):
     """One TRL-style preference row."""
 
     prompt: str
@@ -56,16 +56,16 @@ def _check_n(n: int) -> None:
 
 def generate_preference_pairs(
     n: int, seed: int, temperature: float = DEFAULT_TEMPERATURE
-) -> list[PreferencePair]:
+) -> list[PreferenceRow]:
     """``n`` pairs ``{prompt, chosen, rejected}`` labelled by a ``SimulatedAnnotator(temperature, seed)``."""
     _check_n(n)
     rng = random.Random(f"demo-pairs:{seed}")
     annotator = SimulatedAnnotator(temperature=temperature, seed=seed)
-    rows: list[PreferencePair] = []
+    rows: list[PreferenceRow] = []
     for _ in range(n):
         record = sample_prompt(rng)
         chosen, rejected = annotator.label(record.prompt, *_two_replies(rng, record))
-        rows.append(PreferencePair(prompt=record.prompt, chosen=chosen, rejected=rejected))
+        rows.append(PreferenceRow(prompt=record.prompt, chosen=chosen, rejected=rejected))
     return rows
 
 

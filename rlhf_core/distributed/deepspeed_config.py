@@ -1,6 +1,6 @@
 """DeepSpeed JSON configs for the training loops: checks and "auto" fields (no deepspeed import needed).
 
-``rlhf_core.distributed.zero`` builds its engines from what :func:`resolve_config` returns. ``"auto"`` is filled
+``rlhf_core.distributed.zero`` builds its engines from what :func:`resolve_deepspeed_config` returns. ``"auto"`` is filled
 from our settings and the model; settings the loops cannot honour (an optimizer or scheduler block, ZeRO
 stages 0/1, DeepSpeed-managed gradient accumulation, fp16 loss scaling) are refused, naming the key.
 """
@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_deepspeed_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A DeepSpeed JSON config, checked for what our training loops need."""
     path = Path(path)
     if not path.is_file():
@@ -51,7 +51,7 @@ def check_config(config: dict[str, Any], source: str = "the DeepSpeed config") -
         raise ValueError(f"{source}: fp16 needs loss scaling, which these loops do not do; use bf16 (dtype: bfloat16)")
 
 
-def resolve_config(config: dict[str, Any], module: nn.Module, micro_batch_size: int, max_grad_norm: float,
+def resolve_deepspeed_config(config: dict[str, Any], module: nn.Module, micro_batch_size: int, max_grad_norm: float,
                    world_size: int) -> dict[str, Any]:
     """A copy of ``config`` with every ``"auto"`` filled from our settings and the model.
 

@@ -45,7 +45,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_config
+from rlhf_core.distributed.deepspeed_config import check_config, offloads_optimizer, resolve_deepspeed_config
 from rlhf_core.distributed.extension_locks import clear_stale_locks
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, publish, read_run_state, write_run_state
 from rlhf_core.training.checkpoint_integrity import TMP_PREFIX, load_module
@@ -107,7 +107,7 @@ class DeepSpeedFactory:
                                  "here; use infra/deepspeed/zero2.json with LoRA")
             # ZeRO-3 rollouts run on a plain copy; its structure is taken now, before the weights are sharded.
             shadows.append(_empty_copy(group.module) if stage3 else None)
-            config = resolve_config(self.config, group.module, self.micro_batch_size, max_grad_norm, world)
+            config = resolve_deepspeed_config(self.config, group.module, self.micro_batch_size, max_grad_norm, world)
             optimizer = _adam(group, weight_decay, config)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda is not None else None
             engine, *_ = deepspeed.initialize(model=group.module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -138,7 +138,7 @@ def partitioned_loading(config: dict[str, Any], folder: str | os.PathLike[str],
                           "integration, which needs accelerate: pip install accelerate (or use a ZeRO-2 config)")
     with torch.device("meta"):
         probe = AutoModel.from_config(AutoConfig.from_pretrained(str(folder))).to(dtype)
-    resolved = resolve_config(config, probe, micro_batch_size=1, max_grad_norm=1.0, world_size=dist.get_world_size())
+    resolved = resolve_deepspeed_config(config, probe, micro_batch_size=1, max_grad_norm=1.0, world_size=dist.get_world_size())
     hf_config = HfDeepSpeedConfig(resolved)  # transformers holds it by a weak reference: alive for the block only
     try:
         yield True

@@ -16,7 +16,7 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     """Put each sequence score on its LAST REAL response token. (B,), (B, T) -> (B, T).
 
     The last real token is the stop token when the response stopped, else the last generated token.
-    (TRL adds it one slot later, on the first pad when pad != eos: trl issue 3750.)
+    (TRL 1.12 adds it one slot later, on the first pad when pad != eos.)
     """
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=scores.device)
     last = last_token_index(response_mask)

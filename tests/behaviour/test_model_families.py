@@ -1,4 +1,4 @@
-"""Bring your own Hugging Face models (issue 16): tiny BERT, GPT-2, Llama and GPT-NeoX checkpoints, each with its own
+"""Bring your own Hugging Face models: tiny BERT, GPT-2, Llama and GPT-NeoX checkpoints, each with its own
 tokenizer, go through causality detection, packed scoring, reward-model training, cross-tokenizer scoring and a PPO
 step; a BERT folder is refused as a policy."""
 

@@ -1,4 +1,4 @@
-"""Trainable heads and adapters are float32 whatever the base weights' dtype (issue 15).
+"""Trainable heads and adapters are float32 whatever the base weights' dtype.
 
 With bf16 weights an Adam step of lr = 5e-5 on a weight with |w| >= 2^-6 is under half the spacing between bf16
 numbers there, so a bf16 head never moves ("0 of 13 weights moved"); a float32 one does. A float32 head also reads
@@ -88,7 +88,7 @@ def test_lora_critic_on_a_bf16_reward_model_trains_head_and_adapter_in_float32()
 
 
 def test_the_same_step_on_a_bf16_head_rounds_away():
-    """What the float32 head fixes: the issue's '0 of 13 weights with |w| >= 2^-6 moved'."""
+    """What the float32 head fixes: the bf16 head's '0 of 13 weights with |w| >= 2^-6 moved'."""
     critic = LoRACritic(tiny_rm(), LORA)
     critic.head.bfloat16()
     ids, mask = batch()

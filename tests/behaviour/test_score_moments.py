@@ -1,4 +1,4 @@
-"""Score-normalisation moments restart when the reward model changes (issue 15).
+"""Score-normalisation moments restart when the reward model changes.
 
 An iteration continues the previous one's checkpoint, moments included; after a promoted refresh the new reward
 model scores on its own scale, so moments estimated with the old one would shift and scale its scores wrongly.

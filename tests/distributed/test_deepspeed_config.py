@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.distributed.deepspeed_config import check_config, load_config, offloads_optimizer, resolve_config
+from rlhf_core.distributed.deepspeed_config import check_config, load_deepspeed_config, offloads_optimizer, resolve_deepspeed_config
 from rlhf_core.models.roles import ValueHead
 from tests.tiny_models import gpt2_config
 
@@ -18,15 +18,15 @@ INFRA = Path(__file__).resolve().parents[2] / "infra" / "deepspeed"
 
 @pytest.mark.parametrize("name", ["zero2.json", "zero3_offload.json"])
 def test_shipped_configs_load(name):
-    config = load_config(INFRA / name)
+    config = load_deepspeed_config(INFRA / name)
     assert config["zero_optimization"]["stage"] in (2, 3)
     assert offloads_optimizer(config) is (name == "zero3_offload.json")
 
 
 def test_auto_fields_come_from_our_settings_and_the_model():
-    config = load_config(INFRA / "zero3_offload.json")
+    config = load_deepspeed_config(INFRA / "zero3_offload.json")
     policy = GPT2LMHeadModel(gpt2_config(24))  # hidden size 32
-    resolved = resolve_config(config, policy, micro_batch_size=4, max_grad_norm=0.5, world_size=8)
+    resolved = resolve_deepspeed_config(config, policy, micro_batch_size=4, max_grad_norm=0.5, world_size=8)
     assert resolved["train_micro_batch_size_per_gpu"] == 4
     assert resolved["train_batch_size"] == 32
     assert resolved["gradient_accumulation_steps"] == 1 and resolved["managed_gradient_accumulation"] is False
@@ -37,9 +37,9 @@ def test_auto_fields_come_from_our_settings_and_the_model():
             zero["stage3_param_persistence_threshold"]) == (32 * 32, int(0.9 * 32 * 32), 320)
     assert config["gradient_clipping"] == "auto"  # the loaded config itself is left as it was
 
-    bf16 = resolve_config(config, policy.to(torch.bfloat16), 4, 1.0, 1)
+    bf16 = resolve_deepspeed_config(config, policy.to(torch.bfloat16), 4, 1.0, 1)
     assert bf16["bf16"]["enabled"] is True  # DeepSpeed then keeps fp32 master weights and moments
-    head = resolve_config(config, ValueHead(32), 4, 1.0, 1)  # no transformer inside: DeepSpeed's own buckets
+    head = resolve_deepspeed_config(config, ValueHead(32), 4, 1.0, 1)  # no transformer inside: DeepSpeed's own buckets
     assert "reduce_bucket_size" not in head["zero_optimization"]
 
 
@@ -59,4 +59,4 @@ def test_settings_the_loops_cannot_honour_are_refused(change, message):
 
 def test_missing_config_file_points_at_the_shipped_ones(tmp_path):
     with pytest.raises(FileNotFoundError, match="infra/deepspeed"):
-        load_config(tmp_path / "nope.json")
+        load_deepspeed_config(tmp_path / "nope.json")

@@ -98,13 +98,13 @@ def test_a_stage_that_runs_past_its_timeout_fails_in_one_line_and_resumes(tmp_pa
 def test_the_ui_hint_links_the_run_on_a_free_port(tmp_path):
     import socket
 
-    from flows.commands import free_port, mlflow_hint
+    from flows.commands import server_port, mlflow_hint
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        assert free_port(busy) != busy
+        assert server_port(busy) != busy
     summary = {"mlflow_run_id": "abc", "mlflow_url": "http://mlflow:5000/#/experiments/3/runs/abc"}
     assert mlflow_hint(RunStore(tmp_path), summary) == "MLflow run: http://mlflow:5000/#/experiments/3/runs/abc"
 

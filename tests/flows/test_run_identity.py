@@ -1,4 +1,4 @@
-"""One run identity, one writer, a portable state folder: each fault of the run-store issue as a test (tiny preset).
+"""One run identity, one writer, a portable state folder: each fault the run store once had as a test (tiny preset).
 
 Every path to the same work must give the same result and lineage: a Prefect retry continues the same rlhf run, an
 upstream rerun gives PPO a fresh start with the new reward model's lineage, runs share artifacts without sharing

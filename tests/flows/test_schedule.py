@@ -174,7 +174,7 @@ def test_a_served_schedule_fires_at_its_minute_and_reuses_every_stage_of_an_earl
 def start_server(processes: Processes, state: Path) -> str:
     """Start `rlhf server` for ``state`` on a free port; its API URL once it answers."""
     server = processes.start("server", rlhf("server", "--state-dir", str(state), "--port",
-                                            str(commands.free_port(4311))), clean_env(), state.parent)
+                                            str(commands.server_port(4311))), clean_env(), state.parent)
     server_file = state / "prefect" / commands.SERVER_FILE
     url = wait_for("the Prefect server to answer",
                    lambda: processes.running("server") and server_file.is_file() and commands.running_server(state),

@@ -81,7 +81,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StageHarne
 
 def _has_state(harness: StageHarness, artifact) -> bool:
     try:
-        return ppo_iteration.resume_checkpoint(harness.store, artifact).is_dir()
+        return ppo_iteration.resume_state_checkpoint(harness.store, artifact).is_dir()
     except ResumeStateError:
         return False
 

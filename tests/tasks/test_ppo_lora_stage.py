@@ -46,13 +46,13 @@ def test_lora_ppo_stage_saves_plain_policies_and_adapter_checkpoints(
     second = harness.run(ppo_iteration, "ppo-iteration-2", ppo_iteration.Config.of(config, 2),
                          ppo_iteration.Inputs(data, reference, reward, first))
     results = [ppo_iteration.STAGE.result(art) for art in (first, second)]
-    histories = [json.loads(ppo_iteration.resume_checkpoint(harness.store, art).joinpath("state.json").read_text())
+    histories = [json.loads(ppo_iteration.resume_state_checkpoint(harness.store, art).joinpath("state.json").read_text())
                  ["history"] for art in (first, second)]
     assert [(r.iteration, r.steps_done, len(h)) for r, h in zip(results, histories)] == [(1, 2, 2), (2, 4, 4)]
     assert histories[1][:2] == histories[0]  # one continuous run: iteration 2 carries 1's curve
     assert second.record.inputs["previous"] == first.identity()
 
-    checkpoint = ppo_iteration.resume_checkpoint(harness.store, second)
+    checkpoint = ppo_iteration.resume_state_checkpoint(harness.store, second)
     adapter = load_file(str(checkpoint / "policy.safetensors"))
     assert adapter and all("lora_" in key for key in adapter)  # the SFT base is not copied into checkpoints
     value = load_file(str(checkpoint / "value.safetensors"))

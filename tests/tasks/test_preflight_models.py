@@ -1,4 +1,4 @@
-"""Every model path and hub id is checked when the config is loaded (issue 16): a local folder holds a config.json, a
+"""Every model path and hub id is checked when the config is loaded: a local folder holds a config.json, a
 Hugging Face id is in the local cache or the hub is reachable (offline: only the cache), a policy is a causal LM, a
 reward model or judge has a sequence-classification class, and a critic can read the policy's token ids.
 

@@ -2,7 +2,7 @@
 what would be valid: ranges and finiteness while the config is built, files / devices / precision / lengths
 against this machine (``resolve_config``), duplicate YAML keys while the file is read.
 
-The first table is the fault-injection list that used to be accepted without a word (issue 14).
+The first table is the fault-injection list that used to be accepted without a word.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _ranged_settings(cls: type = PipelineConfig, prefix: str = "") -> dict[str, 
 RANGED = _ranged_settings()
 
 
-def test_the_ranged_settings_cover_the_issue_list() -> None:
+def test_the_ranged_settings_cover_the_fault_list() -> None:
     for override, _ in USED_TO_BE_ACCEPTED:
         assert override.partition("=")[0] in RANGED
     assert len(RANGED) >= 60

@@ -20,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import main
-from flows.commands import free_port
+from flows.commands import server_port
 from tasks.tracking import StageTracker, TrackingUnavailable
 
 BIN = Path(sys.executable).parent
@@ -67,7 +67,7 @@ def test_a_server_killed_mid_stage_gets_every_value_once_it_is_back(tmp_path: Pa
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast inside the sender; it retries itself
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
     db, artifacts, log = tmp_path / "mlflow.db", tmp_path / "artifacts", tmp_path / "server.log"
-    port = free_port(0)
+    port = server_port(0)
     url = f"http://127.0.0.1:{port}"
     server = _start_server(db, artifacts, port, log)
     try:
@@ -103,7 +103,7 @@ def test_an_unreachable_server_refuses_the_run_in_one_line_before_it_exists(tmp_
                                                                              capsys: pytest.CaptureFixture[str],
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    port = free_port(0)  # nothing listens there
+    port = server_port(0)  # nothing listens there
     state = tmp_path / "state"
     code = main(["run", "--preset", "tiny", "--state-dir", str(state), f"tracking.tracking_uri=http://127.0.0.1:{port}"])
     err = capsys.readouterr().err.strip()

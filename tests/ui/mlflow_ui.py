@@ -19,7 +19,7 @@ from pathlib import Path
 from playwright.sync_api import Locator, Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from flows.commands import free_port
+from flows.commands import server_port
 
 BIN = Path(sys.executable).parent  # the virtual environment's scripts: rlhf, mlflow
 #: How long a page wait may take: the first load on a busy 2-core machine takes ~10 s.
@@ -73,7 +73,7 @@ def mlflow_server(state: Path, timeout: float = 90) -> Iterator[str]:
     """A real ``mlflow server`` on the run store's SQLite file; yields its base URL once ``/health`` answers.
     No artifact options: the store recorded absolute ``file://`` artifact locations under ``<state>/mlartifacts``.
     One worker: the default four cost a 2-core machine seconds at start and nothing here needs them."""
-    port = free_port(0)  # one the system picks
+    port = server_port(0)  # one the system picks
     log = state.parent / "mlflow-server.log"
     with log.open("w") as out:
         process = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri",

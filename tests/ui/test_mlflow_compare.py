@@ -1,4 +1,4 @@
-"""Issue 13, compare runs in the MLflow UI: two tiny runs that differ only in ``ppo.kl.coef``, side by side on a
+"""Compare runs in the MLflow UI: two tiny runs that differ only in ``ppo.kl.coef``, side by side on a
 real ``mlflow server``'s compare-runs page in headless Chromium, checked from the page's DOM against MlflowClient.
 
 ``RLHF_SAVE_SCREENSHOTS=1`` also copies the page's screenshot to docs/screenshots/mlflow-compare.png.

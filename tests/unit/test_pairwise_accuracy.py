@@ -1,4 +1,4 @@
-"""One tie rule for every pairwise accuracy: a tie (s_chosen == s_rejected) is half right (issue 15).
+"""One tie rule for every pairwise accuracy: a tie (s_chosen == s_rejected) is half right.
 
 Reward-model training, its evaluation, the proxy/held-out agreement and the policy win rates all count through
 ``rlhf_core.evaluation.metrics.pairwise_wins``; hand-computed numbers with ties, and a loop reference.
