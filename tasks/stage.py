@@ -28,7 +28,7 @@ from prefect import Task, task
 
 from tasks import tracking
 from tasks.retries import retry_on_transient_io
-from tasks.run_store import ActiveRun, Artifact, RunStore, stage_key
+from tasks.run_store import ActiveRun, Artifact, RunStore, code_version, stage_key
 from tasks.tracking import ModelRef, StageTracker
 
 if TYPE_CHECKING:
@@ -74,6 +74,11 @@ class Stage(Generic[R]):
     compute: Callable[[Any, Any, StageContext], R]
     publish: Callable[[Any, Artifact, Publication], None]
     result_type: type[R]
+
+    @property
+    def module(self) -> str:
+        """The module that defines the stage: its code, with what it imports, enters the stage's keys."""
+        return self.compute.__module__
 
     def result(self, artifact: Artifact) -> R:
         """The typed result record of one of this stage's artifacts."""
@@ -204,7 +209,7 @@ class Publication:
 def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: Runner) -> Artifact:
     """Reuse or compute the artifact of (``stage``, ``cfg``, ``inputs``) and publish it for this run."""
     rerun = runner.run.record.rerun_of(label, stage.name)
-    key = stage_key(stage.name, cfg, shallow_fields(inputs), rerun, tracking.model_identity)
+    key = stage_key(stage.name, cfg, shallow_fields(inputs), rerun, tracking.model_identity, stage.module)
     entry = runner.run.stage(label)
     try:
         artifact = runner.store.artifact(stage.name, key)
@@ -238,7 +243,7 @@ def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: 
         tracker.flush()
         if tracker.record.exists():
             tracker.record.rename(claim.staging / METRICS_LOG)
-        artifact = claim.publish(asdict(result), cfg, shallow_fields(inputs))
+        artifact = claim.publish(asdict(result), cfg, shallow_fields(inputs), code_version(stage.module))
         _publish_into(stage, label, cfg, artifact, runner, mlflow_id, None)
     return artifact
 

@@ -163,10 +163,12 @@ class Claim:
     def release(self) -> None:
         self.lock.release()
 
-    def publish(self, result: Mapping[str, Any], config: Any, inputs: Mapping[str, Any]) -> Artifact:
-        """Write the record into the staging folder and rename it into ``artifacts/``; clear the work folder."""
+    def publish(self, result: Mapping[str, Any], config: Any, inputs: Mapping[str, Any],
+                code: str | None = None) -> Artifact:
+        """Write the record into the staging folder and rename it into ``artifacts/``; clear the work folder.
+        ``code``: the code version in the artifact's key (default: the packages' whole)."""
         record = ArtifactRecord(stage=self.stage, key=self.key, produced_by=self.run_id, created=now_iso(),
-                                code_version=code_version(), config=canonical(config),
+                                code_version=code or code_version(), config=canonical(config),
                                 inputs=canonical(dict(inputs)), result=json.loads(json.dumps(dict(result))),
                                 files=manifest(self.staging))
         (self.staging / RECORD_FILE).write_text(json.dumps(asdict(record), indent=1, sort_keys=True) + "\n",

@@ -2,6 +2,10 @@
 
     key = sha256(stage name, code version, canonical(config slice), identities of the inputs[, rerun number])
 
+The code version is a digest of the stage's module and the project modules it imports, comments and docstrings left
+out (:mod:`tasks.run_store.code_digest`): a documentation edit reruns nothing, a code change reruns the stages that
+run it and, through their inputs, those downstream.
+
 Nothing is listed by hand: the config part is the whole slice object the stage function receives (every field
 of it, recursively), so a setting the stage can read is in its key and a setting it cannot read is not.
 Inputs are other artifacts (identified by their own key, which already covers everything upstream) or files
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from rlhf_core.ranges import is_retention
+from tasks.run_store.code_digest import closure, code_digest, module_file, package_modules
 
 KEY_LENGTH = 20
 """Hex digits of a key (80 bits)."""
@@ -56,16 +61,18 @@ ModelResolver = Callable[[str], str]
 """Identity of a ``models:/`` URI (e.g. 'models:/rm/3 <source>'), given by the tracking adapter."""
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """Digest of every .py file of the algorithm and task packages."""
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256()
-    for package in CODE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+CODE_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout whose ``CODE_PACKAGES`` the code versions read."""
+
+
+@lru_cache(maxsize=None)
+def code_version(module: str | None = None) -> str:
+    """Digest of the code ``module`` runs: it and every module of ``CODE_PACKAGES`` it reaches through imports
+    (:mod:`tasks.run_store.code_digest`; comments and docstrings left out). None: every module of the packages (a
+    run's ``rlhf.code_version`` tag)."""
+    if module is None or module_file(CODE_ROOT, module) is None:  # a stage defined outside the checkout: all of it
+        return code_digest(CODE_ROOT, package_modules(CODE_ROOT, CODE_PACKAGES))
+    return code_digest(CODE_ROOT, sorted(closure(CODE_ROOT, module, CODE_PACKAGES)))
 
 
 def sha256_file(path: Path) -> str:
@@ -191,9 +198,10 @@ def canonical(value: Any, resolve_model: ModelResolver | None = None, mark: _Pat
 
 
 def stage_key(stage: str, config: Any, inputs: Mapping[str, Any], rerun: int = 0,
-              resolve_model: ModelResolver | None = None) -> str:
-    """The artifact key of one stage call. ``rerun`` > 0 (``rlhf stage``) gives a fresh key for the same work."""
-    payload = {"stage": stage, "code": code_version(), "config": canonical(config, resolve_model),
+              resolve_model: ModelResolver | None = None, module: str | None = None) -> str:
+    """The artifact key of one stage call. ``rerun`` > 0 (``rlhf stage``) gives a fresh key for the same work;
+    ``module``: the stage's module, whose code (with what it imports) enters the key (None: all the packages')."""
+    payload = {"stage": stage, "code": code_version(module), "config": canonical(config, resolve_model),
                "inputs": canonical(dict(inputs), resolve_model)}
     if rerun:
         payload["rerun"] = rerun
