@@ -4,10 +4,11 @@ decode speed, MFU and peak memory per phase next to the memory calculator's pred
     python3 -m benchmarks.gpu_check.run --out gpu_check.json     # one CUDA GPU, about 5 minutes
     .venv/bin/python -m benchmarks.gpu_check.run --smoke          # a tiny shape on CPU (the test suite runs this)
 
-It needs torch, transformers and peft only (no MLflow, Prefect or DeepSpeed): a GPU machine with those runs it from a
-checkout as is. Weights are random, built from the shape's numbers (``benchmarks/memory/shapes.py`` MODELS): speed
-and memory do not depend on their values. Every section runs even when another fails; a failure is recorded with its
-traceback under ``errors`` and the command exits 1, so one short GPU lease shows everything that breaks.
+It needs torch, transformers, peft and psutil only (no MLflow, Prefect or DeepSpeed): a GPU machine with those runs
+it from a checkout as is. Weights are random, built from the shape's numbers (``benchmarks/memory/shapes.py``
+MODELS): speed and memory do not depend on their values. Every section runs even when another fails; a failure is
+recorded with its traceback under ``errors`` and the command exits 1, so one short GPU lease shows everything that
+breaks.
 
 Sections (``--only`` picks some):
 
@@ -42,7 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +51,11 @@ from benchmarks.common import default_out, machine, write_result
 from benchmarks.gpu_check.setups import FULL, SETUPS, SMOKE, Scale, build, ppo_config, prompts, qwen2_config
 from benchmarks.memory.calculator import phases
 from benchmarks.memory.shapes import RunShape
+
+if TYPE_CHECKING:
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.training.experience import Experience, PPOModels
+    from rlhf_core.training.ppo_step import PPOState
 
 SECTIONS = ("matmul_peak", "ppo", "offload", "vocab", "decode")
 GIB = 2**30
@@ -81,7 +87,7 @@ def matmul_peak(scale: Scale, device: torch.device) -> dict[str, Any]:
     return {"n": n, "dtype": str(dtype), "flops": 10 * 2 * n**3 / record["mm"]["seconds"]}
 
 
-def model_flops(models, lengths: list[int], scale: Scale, epochs: int) -> float:  # noqa: ANN001 (PPOModels)
+def model_flops(models: PPOModels, lengths: list[int], scale: Scale, epochs: int) -> float:
     """PaLM's model FLOPs of ``epochs`` forward + backward passes of the trained models over ``lengths`` tokens:
     6 per trained and 4 per frozen matmul weight and token, plus attention (``benchmarks/mfu/run.py``)."""
     attention = sum(12 * scale.shape.layers * scale.shape.hidden * t * t for t in lengths)
@@ -100,7 +106,7 @@ def model_flops(models, lengths: list[int], scale: Scale, epochs: int) -> float:
     return total
 
 
-def predicted(setup: str, scale: Scale, config) -> dict[str, float]:  # noqa: ANN001 (PPOConfig)
+def predicted(setup: str, scale: Scale, config: PPOConfig) -> dict[str, float]:
     """The memory calculator's GiB per phase for this setup (one GPU, torch AdamW, no checkpointing)."""
     run = RunShape(prompt_length=scale.prompt_tokens, response_length=scale.new_tokens,
                    micro_batch=scale.micro_batch, generation_batch=scale.rollout_batch,
@@ -114,7 +120,8 @@ def predicted(setup: str, scale: Scale, config) -> dict[str, float]:  # noqa: AN
             "update": max(peaks["training"], peaks["optimizer_step"])}
 
 
-def measured_step(models, optimizer, config, state, batch: list[list[int]], device: torch.device) -> tuple[dict, Any]:  # noqa: ANN001
+def measured_step(models: PPOModels, optimizer: tuple[Any, Any], config: PPOConfig, state: PPOState,
+                  batch: list[list[int]], device: torch.device) -> tuple[dict[str, Any], Experience]:
     """One PPO step as ``ppo_step`` runs it, timed and measured in its two phases (``optimizer``: with its
     scheduler, as :func:`rlhf_core.training.ppo_step.make_optimizer` returns them)."""
     from rlhf_core.models.offload import parked
@@ -268,7 +275,8 @@ def decode(scale: Scale, device: torch.device, repeats: int) -> dict[str, Any]:
     return out
 
 
-def _logprob_gap(model, ids: torch.Tensor, mask: torch.Tensor, scale: Scale, cache: str) -> dict[str, float]:  # noqa: ANN001
+def _logprob_gap(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, scale: Scale,
+                 cache: str) -> dict[str, float]:
     """How far the sampling log-probs of one rollout are from a full forward over the same tokens (the PPO ratio's
     denominator against its numerator at the first mini-batch), max and mean absolute gap. With random weights the
     next-token distribution is nearly flat over 152k tokens, so two paths' samples part at the first rounding

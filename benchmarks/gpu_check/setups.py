@@ -4,11 +4,17 @@ weights (``benchmarks/gpu_check/run.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.memory.shapes import MODELS, ModelShape
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
+
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.training.experience import PPOModels
 
 SETUPS = ("lora_head", "lora_critic", "full_head", "full_critic")
 
@@ -38,7 +44,7 @@ SMOKE = Scale(ModelShape("tiny-qwen2", "llama", hidden=64, layers=2, heads=4, kv
               vocab_rows=600, lora_rank=4, vocab_chunk=4096 * 128)
 
 
-def qwen2_config(shape: ModelShape, **extra: Any):  # noqa: ANN201 (transformers' Qwen2Config)
+def qwen2_config(shape: ModelShape, **extra: Any) -> Qwen2Config:
     """A Qwen2 config with ``shape``'s numbers, dropout off; token ids 0 (pad), 1 (bos), 2 (eos)."""
     from transformers import Qwen2Config
 
@@ -49,7 +55,7 @@ def qwen2_config(shape: ModelShape, **extra: Any):  # noqa: ANN201 (transformers
                        eos_token_id=2, **extra)
 
 
-def build(setup: str, scale: Scale, device: torch.device, seed: int = 0):  # noqa: ANN201 (PPOModels)
+def build(setup: str, scale: Scale, device: torch.device, seed: int = 0) -> PPOModels:
     """The PPO roles of ``setup`` on random weights: LoRA setups in bf16, full ones in fp32."""
     from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
@@ -67,7 +73,8 @@ def build(setup: str, scale: Scale, device: torch.device, seed: int = 0):  # noq
     scorer = TokenIdScorer(reward_model, batch_size=scale.micro_batch)
     lora = LoRAConfig(enabled=True, rank=scale.lora_rank, alpha=2.0 * scale.lora_rank)
     if setup == "full_head":
-        return PPOModels(policy, make_reference(policy), scorer, (2,), 0, value_head=ValueHead(scale.shape.hidden).to(device))
+        head = ValueHead(scale.shape.hidden).to(device)
+        return PPOModels(policy, make_reference(policy), scorer, (2,), 0, value_head=head)
     if setup == "full_critic":
         return PPOModels(policy, make_reference(policy), scorer, (2,), 0, critic=Critic(reward_model).to(device))
     policy, reference = lora_policy(policy, lora)
@@ -77,7 +84,7 @@ def build(setup: str, scale: Scale, device: torch.device, seed: int = 0):  # noq
     return PPOModels(policy, reference, scorer, (2,), 0, critic=LoRACritic(reward_model, lora).to(device))
 
 
-def ppo_config(setup: str, scale: Scale, **overrides: Any):  # noqa: ANN201 (PPOConfig)
+def ppo_config(setup: str, scale: Scale, **overrides: Any) -> PPOConfig:
     """One PPO epoch over the rollout batch, bf16 autocast, the value model the setup names."""
     from rlhf_core.config import GenerationConfig, PPOConfig
 

@@ -6,8 +6,9 @@ Logits at position ``t`` predict token ``t + 1``, so the response logits are ``l
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from rlhf_core.compat import CACHE
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.lm_head import split_lm_head
 from rlhf_core.ppo.masking import ended_with_stop, response_mask_from_stop
+
+if TYPE_CHECKING:
+    from transformers import StaticCache
 
 STATIC_WIDTH_STEP = 64
 """A static cache's length is the rollout's (prompt width + max_new_tokens) rounded up to this, so that chunks with
@@ -218,7 +222,7 @@ class _Decoder:
         return out.logits[:, -1, :].clone() if self.decode is not self.model else out.logits[:, -1, :]
 
 
-def _static_cache(model: torch.nn.Module, batch: int, width: int):  # noqa: ANN202 (transformers' StaticCache)
+def _static_cache(model: torch.nn.Module, batch: int, width: int) -> StaticCache:
     """The model's static cache for ``batch`` rows of ``width`` positions, emptied; made anew for another shape."""
     from transformers import StaticCache
 
@@ -234,7 +238,7 @@ def _static_cache(model: torch.nn.Module, batch: int, width: int):  # noqa: ANN2
     return cache
 
 
-def _compiled_call(model: torch.nn.Module):  # noqa: ANN202 (torch.compile's wrapper)
+def _compiled_call(model: torch.nn.Module) -> Callable[..., Any]:
     """``model.__call__`` compiled once per model for the fixed-shape decode step (CUDA graphs: 'reduce-overhead')."""
     compiled = model.__dict__.get("_rlhf_compiled_decode")
     if compiled is None:

@@ -138,13 +138,16 @@ def _strip_strings(tree: ast.Module) -> ast.Module:
             block = getattr(node, field, None)
             if not isinstance(block, list):
                 continue
-            kept = [child for child in block if not (isinstance(child, ast.Expr) and isinstance(child.value, ast.Constant)
-                                                     and isinstance(child.value.value, str))]
+            kept = [child for child in block if not _is_string_statement(child)]
             if field == "body" and not kept:
                 kept = [ast.copy_location(ast.Pass(), block[0])]
             setattr(node, field, kept)
             stack.extend(kept)
     return tree
+
+
+def _is_string_statement(node: ast.AST) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def _without_positions(code: CodeType) -> CodeType:
