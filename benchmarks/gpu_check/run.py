@@ -51,6 +51,7 @@ from benchmarks.common import default_out, machine, write_result
 from benchmarks.gpu_check.setups import FULL, SETUPS, SMOKE, Scale, build, ppo_config, prompts, qwen2_config
 from benchmarks.memory.calculator import phases
 from benchmarks.memory.shapes import RunShape
+from benchmarks.mfu.run import training_flops
 
 if TYPE_CHECKING:
     from rlhf_core.config import PPOConfig
@@ -89,20 +90,17 @@ def matmul_peak(scale: Scale, device: torch.device) -> dict[str, Any]:
 
 def model_flops(models: PPOModels, lengths: list[int], scale: Scale, epochs: int) -> float:
     """PaLM's model FLOPs of ``epochs`` forward + backward passes of the trained models over ``lengths`` tokens:
-    6 per trained and 4 per frozen matmul weight and token, plus attention (``benchmarks/mfu/run.py``)."""
-    attention = sum(12 * scale.shape.layers * scale.shape.hidden * t * t for t in lengths)
+    ``benchmarks/mfu/run.py``'s count (6 per weight and token, plus attention) over the trained matmul weights, and
+    4 per frozen one (LoRA's base: no weight gradient)."""
     total = 0.0
     for module in (models.policy, models.critic):
         if module is None:
             continue
-        trained = frozen = 0
-        for sub in module.modules():
-            if isinstance(sub, torch.nn.Linear):
-                if sub.weight.requires_grad:
-                    trained += sub.weight.numel()
-                else:
-                    frozen += sub.weight.numel()
-        total += epochs * (sum(lengths) * (6 * trained + 4 * frozen) + attention)
+        linears = [sub.weight for sub in module.modules() if isinstance(sub, torch.nn.Linear)]
+        trained = sum(w.numel() for w in linears if w.requires_grad)
+        frozen = sum(w.numel() for w in linears if not w.requires_grad)
+        total += training_flops(lengths, trained, scale.shape.layers, scale.shape.hidden, epochs)
+        total += epochs * 4 * frozen * sum(lengths)
     return total
 
 

@@ -201,7 +201,8 @@ class _Decoder:
         self.attention = torch.cat([query_mask.long(), query_mask.new_ones((batch, width - query_len)).long()], dim=1)
         self.model, self.static = model, config.cache == "static"
         self.cache = _static_cache(model, batch, width) if self.static else None
-        self.decode = _compiled_call(model) if self.static and query_mask.device.type in COMPILED_DEVICES else model
+        self.compiled = self.static and query_mask.device.type in COMPILED_DEVICES
+        self.decode = _compiled_call(model) if self.compiled else model
 
     def prefill(self, query_ids: torch.Tensor, positions: torch.Tensor, extra: dict) -> torch.Tensor:
         """Run the prompts through the model; the next-token logits, (B, V)."""
@@ -214,12 +215,12 @@ class _Decoder:
     def step(self, token: torch.Tensor, position: torch.Tensor, seen: int) -> torch.Tensor:
         """One token per row (B, 1) at ``position`` (B, 1), ``seen`` columns written before it; logits (B, V)."""
         mask = self.attention if self.static else self.attention[:, :seen]
-        if self.decode is not self.model:
+        if self.compiled:
             torch.compiler.cudagraph_mark_step_begin()
         out = self.decode(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
                           **{CACHE: self.cache})
         self.cache = getattr(out, CACHE)
-        return out.logits[:, -1, :].clone() if self.decode is not self.model else out.logits[:, -1, :]
+        return out.logits[:, -1, :].clone() if self.compiled else out.logits[:, -1, :]  # CUDA graphs reuse outputs
 
 
 def _static_cache(model: torch.nn.Module, batch: int, width: int) -> StaticCache:

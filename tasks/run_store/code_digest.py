@@ -83,18 +83,26 @@ def _parse(path: Path, mtime_ns: int, size: int) -> _Module:
     return _Module(frozenset(named), code)
 
 
-def _statements(tree: ast.AST) -> Iterator[ast.stmt]:
-    """Every statement of a module, nested ones included (expressions are not visited: imports are statements)."""
+#: The fields of a node that hold a block of statements (and the handlers and cases that hold blocks).
+_BLOCK_FIELDS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def _blocks(tree: ast.AST) -> Iterator[tuple[ast.AST, str]]:
+    """Every block of a tree, as (node, field): expressions are not visited (imports and docstrings are statements).
+    A block the caller replaces meanwhile is descended as replaced."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-            block = getattr(node, field, None)
-            if isinstance(block, list):
-                for child in block:
-                    if isinstance(child, ast.stmt):
-                        yield child
-                    stack.append(child)
+        for field in _BLOCK_FIELDS:
+            if isinstance(getattr(node, field, None), list):
+                yield node, field
+                stack.extend(getattr(node, field))
+
+
+def _statements(tree: ast.AST) -> Iterator[ast.stmt]:
+    """Every statement of a module, nested ones included."""
+    for node, field in _blocks(tree):
+        yield from (child for child in getattr(node, field) if isinstance(child, ast.stmt))
 
 
 def _absolute(path: Path, module: str | None, level: int) -> str:
@@ -131,18 +139,12 @@ def closure(root: Path, name: str, packages: Sequence[str]) -> frozenset[str]:
 
 def _strip_strings(tree: ast.Module) -> ast.Module:
     """Drop string-only expression statements (docstrings, attribute docstrings); an emptied body gets ``pass``."""
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
-        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-            block = getattr(node, field, None)
-            if not isinstance(block, list):
-                continue
-            kept = [child for child in block if not _is_string_statement(child)]
-            if field == "body" and not kept:
-                kept = [ast.copy_location(ast.Pass(), block[0])]
-            setattr(node, field, kept)
-            stack.extend(kept)
+    for node, field in _blocks(tree):
+        block = getattr(node, field)
+        kept = [child for child in block if not _is_string_statement(child)]
+        if field == "body" and not kept:
+            kept = [ast.copy_location(ast.Pass(), block[0])]
+        setattr(node, field, kept)
     return tree
 
 
