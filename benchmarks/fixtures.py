@@ -142,7 +142,8 @@ def _build(spec: FixtureSpec, out: Path) -> dict:
 def _sft(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: FixtureSpec) -> dict:
     """One epoch of SFT on demo demonstrations (64 held out); the held-out loss before and after."""
     from rlhf_core.demo.generator import generate_sft_demonstrations
-    from rlhf_core.training.sft import SFTConfig, train_sft
+    from rlhf_core.training.sft import train_sft
+    from rlhf_core.config import SFTConfig
 
     demos = [(d["prompt"], d["reply"]) for d in generate_sft_demonstrations(spec.sft_demonstrations + 64, spec.seed)]
     config = SFTConfig(epochs=1, batch_size=32, micro_batch_size=32, learning_rate=2e-3, warmup_steps=10,
@@ -157,7 +158,8 @@ def _train_reward(reward: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     """One epoch of Bradley-Terry training on demo preference pairs (128 held out); held-out accuracy."""
     from rlhf_core.config import RewardTrainingConfig
     from rlhf_core.demo.generator import generate_preference_pairs
-    from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+    from rlhf_core.training.reward_training import train_reward_model
+    from rlhf_core.data.records import PreferencePair
 
     rows = generate_preference_pairs(spec.rm_pairs + 128, spec.seed)
     pairs = [PreferencePair(r["prompt"], r["chosen"], r["rejected"]) for r in rows]

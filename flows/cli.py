@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flows.commands import add_pipeline_commands
+from flows.errors import EXIT_DATA_ERROR, user_errors
+from flows.sweep_command import add_sweep_command
 from rlhf_core.data import DataError, DataPrepConfig, InputFormat
 from rlhf_core.demo.config import DemoDataConfig
-
-EXIT_DATA_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prep(subparsers)
     add_pipeline_commands(subparsers)
+    add_sweep_command(subparsers)
     return parser
 
 
@@ -135,15 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split())
         print(f"rlhf {args.command}: error: {message}", file=sys.stderr)
         return EXIT_DATA_ERROR
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """Errors that are the user's to fix (imported only when one is raised, to keep `--help` fast)."""
-    from tasks.config import ConfigError
-    from tasks.run_store import ArtifactError, StateError
-    from tasks.tracking.runs import TrackingUnavailable
-
-    return (DataError, ConfigError, StateError, ArtifactError, TrackingUnavailable)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.errors import EXIT_DATA_ERROR, EXIT_FAILED, user_errors
+
 if TYPE_CHECKING:
     from tasks.run_store import RunRecord, RunStore
 
 DEFAULT_STATE_DIR = ".rlhf_state"
 SERVER_FILE = "server.json"
-EXIT_FAILED = 1
 STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh", "dpo")
 ITERATED = ("ppo-iteration", "heldout-eval", "rm-refresh")
 #: Stages only one training method runs (``method``): asking to recompute one in a run of the other is refused.
@@ -69,7 +70,7 @@ def running_server(state_dir: Path) -> str | None:
 
 
 def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register demo, run, resume, stage and runs."""
+    """Register demo, run, resume, stage, runs, schedule and server."""
     demo = subparsers.add_parser("demo", help="the whole pipeline on the embedded customer-support task")
     demo.add_argument("--seed", type=int, default=0, help="seed of data, models and sampling (default 0)")
     _common(demo)
@@ -124,9 +125,6 @@ def add_pipeline_commands(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state folder (default .rlhf_state)")
     server.add_argument("--port", type=int, default=4200, help="port (default 4200; a free one when taken)")
     server.set_defaults(handler=_server)
-    from flows.sweep_command import add_sweep_command
-
-    add_sweep_command(subparsers)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -144,14 +142,14 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _start(config_file: str | None, preset: str | None, overrides: list[str], state_dir: str | None) -> int:
-    from tasks.config import resolve_config
+    from tasks.preflight import resolve_config
     from tasks.typed_yaml import dump_config_text
 
     if state_dir is not None:
         overrides = [*overrides, f"state_dir={state_dir}"]
     config = resolve_config(config_file, preset, overrides)
     prepare_environment(config.state_dir)
-    from tasks.tracking import check_server, keep_credentials_out
+    from tasks.tracking.setup import check_server, keep_credentials_out
 
     config = keep_credentials_out(config)
     check_server(os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.tracking_uri)  # before a run exists
@@ -166,19 +164,17 @@ def _start(config_file: str | None, preset: str | None, overrides: list[str], st
 def _execute(store: RunStore, run_id: str) -> int:
     from flows.pipeline import rlhf_pipeline
     from flows.summary import format_summary
-    from tasks.config import resolve_config
+    from tasks.preflight import resolve_config
 
     store.refuse_if_held(run_id)
     config = resolve_config(store.config_file(run_id))  # a file or device gone since the run started fails here
-    from tasks.tracking import check_server
+    from tasks.tracking.setup import check_server
 
     check_server(os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.tracking_uri)
     ensure_prefect_database(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
     except Exception as error:  # the traceback is in the run's log file and on the Prefect flow run
-        from flows.cli import EXIT_DATA_ERROR, user_errors
-
         line = failure_line(store, run_id, error)
         store.end_run(run_id, "failed", line)  # when the flow never started, no hook of Prefect's could say so
         print(line, file=sys.stderr)
@@ -289,11 +285,11 @@ def _resume(args: argparse.Namespace) -> int:
 
 def amend_config(store: RunStore, run_id: str, overrides: list[str]) -> None:
     """Apply ``overrides`` to the run's recorded config (kept as config.<n>.yaml) and note them in the record."""
-    from tasks.config import resolve_config
+    from tasks.preflight import resolve_config
     from tasks.run_store.locks import now_iso
     from tasks.typed_yaml import dump_config_text
 
-    from tasks.tracking import keep_credentials_out
+    from tasks.tracking.setup import keep_credentials_out
 
     config = keep_credentials_out(resolve_config(store.config_file(run_id), None, overrides))
     with store.hold(run_id, "rlhf resume (amending the config)") as run:
@@ -383,7 +379,8 @@ def close_crashed(store: RunStore, records: list[RunRecord]) -> None:
 def schedule_parameters(args: argparse.Namespace) -> tuple[dict, str]:
     """The deployment's parameters for ``rlhf schedule`` (paths made absolute: the flow may run elsewhere), and
     the resolved config's name; the config is resolved now as ``rlhf run`` would, so mistakes fail here."""
-    from tasks.config import ConfigError, resolve_config
+    from tasks.config import ConfigError
+    from tasks.preflight import resolve_config
     from tasks.tracking.setup import without_credentials
 
     config_file = str(Path(args.config).resolve()) if args.config else None

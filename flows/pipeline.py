@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -28,34 +27,21 @@ from prefect.context import FlowRunContext
 from prefect.runtime import flow_run as current_flow_run
 
 from flows.logs import run_logging
-from flows.summary import build_summary, running_markdown, summary_markdown
+from flows.summary import Outcome, build_summary, running_markdown, summary_markdown
 from tasks import best_of_n, data_prep, dpo, heldout_eval, ppo_iteration, reward_model, rm_refresh, sft, tracking
-from tasks.config import PipelineConfig, changed_settings, load_config, resolve_config
-from tasks.run_store import ActiveRun, Artifact, RunStore, new_run_id
+from tasks.config import PipelineConfig, changed_settings, load_config
+from tasks.preflight import resolve_config
+from tasks.run_store import ActiveRun, RunStore, new_run_id
 from tasks.run_store.keys import code_version
 from tasks.runtime import ModelInput
 from tasks.stage import Runner
-from tasks.tracking import configure_tracking, keep_credentials_out, log_file, pipeline_run
+from tasks.tracking.runs import log_file, pipeline_run
+from tasks.tracking.setup import configure_tracking, keep_credentials_out
 from tasks.typed_yaml import dump_config_text, flatten_for_params
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = ".rlhf_state"
-
-
-@dataclass
-class Outcome:
-    """The artifacts one pass of the pipeline used, in order."""
-
-    data: Artifact
-    sft: Artifact
-    reward_model: Artifact
-    best_of_n: Artifact
-    ppo: list[Artifact] = field(default_factory=list)
-    evals: list[Artifact] = field(default_factory=list)
-    refreshes: list[Artifact] = field(default_factory=list)
-    dpo: Artifact | None = None
-    """The dpo stage's artifact (``method: dpo``; its evaluation is ``evals[0]``)."""
 
 
 def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:

@@ -3,14 +3,30 @@ lineage of the run (which artifact each stage used, which model versions it regi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tasks import heldout_eval, rm_refresh
 
 if TYPE_CHECKING:
-    from flows.pipeline import Outcome
     from tasks.config import PipelineConfig
-    from tasks.run_store import RunRecord
+    from tasks.run_store import Artifact, RunRecord
+
+
+@dataclass
+class Outcome:
+    """The artifacts one pass of the pipeline used, in order."""
+
+    data: Artifact
+    sft: Artifact
+    reward_model: Artifact
+    best_of_n: Artifact
+    ppo: list[Artifact] = field(default_factory=list)
+    evals: list[Artifact] = field(default_factory=list)
+    refreshes: list[Artifact] = field(default_factory=list)
+    dpo: Artifact | None = None
+    """The dpo stage's artifact (``method: dpo``; its evaluation is ``evals[0]``)."""
+
 
 #: summary key -> (metric of the final policy, metric of the reference = SFT policy)
 SCORES = {

@@ -12,6 +12,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from flows.errors import EXIT_FAILED, user_errors
+
 if TYPE_CHECKING:
     from tasks.run_store import RunStore
 
@@ -43,7 +45,7 @@ def add_sweep_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """Create the sweep (or load it, ``--resume``), run it, print its report; exit 0 when every run completed."""
-    from flows.commands import DEFAULT_STATE_DIR, EXIT_FAILED, ensure_prefect_database, prepare_environment
+    from flows.commands import DEFAULT_STATE_DIR, ensure_prefect_database, prepare_environment
     from tasks.config import ConfigError
 
     if args.concurrency < 1:
@@ -68,8 +70,6 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     try:
         report = rlhf_sweep(sweep_id=sweep_id, state_dir=str(store.root))
     except Exception as error:  # the traceback is in the sweep's log file and on its Prefect flow run
-        from flows.cli import user_errors
-
         if isinstance(error, user_errors()):  # a busy sweep, a damaged record: one line, exit 2
             raise
         line = (f"rlhf: sweep {sweep_id} stopped: {type(error).__name__}: {' '.join(str(error).split())[:400]}; "
@@ -97,7 +97,7 @@ def create_sweep(args: argparse.Namespace) -> tuple[RunStore, str]:
     prepare_environment(state_dir)
     refuse_inert_keys(cells)
     from tasks.run_store import RunStore, SweepCell, SweepRecord, new_run_id
-    from tasks.tracking import check_server, keep_credentials_out
+    from tasks.tracking.setup import check_server, keep_credentials_out
     from tasks.typed_yaml import dump_config_text
 
     check_server(os.environ.get("MLFLOW_TRACKING_URI") or cells[0].config.tracking.tracking_uri)

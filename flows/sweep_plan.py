@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.evaluation.metrics import frontier_at
-from tasks.config import ConfigError, PipelineConfig, resolve_config
+from tasks.config import ConfigError, PipelineConfig
+from tasks.preflight import resolve_config
 from tasks.run_store.keys import canonical
 from tasks.typed_yaml import one_line
 

@@ -1,4 +1,5 @@
-"""Typed, frozen configuration for the core algorithms. One docstring per field.
+"""Typed, frozen configuration for the core algorithms, one section per training kind (generation, KL, reward
+shaping, LoRA, PPO, reward-model training, SFT, DPO). One docstring per field.
 
 Defaults follow the consensus of TRL 1.12 / OpenRLHF / verl where they agree (see docs/formulas.md).
 """
@@ -342,3 +343,88 @@ class RewardTrainingConfig:
             raise ValueError(f"reward_model.training.max_tokens_per_forward={self.max_tokens_per_forward} is below "
                              f"2 x max_length={2 * self.max_length}, what one pair (both sides, one forward) can need; "
                              "raise it or lower max_length")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Hyperparameters of supervised fine-tuning."""
+
+    epochs: PositiveInt = 3
+    """Passes over the training demonstrations."""
+    batch_size: PositiveInt = 16
+    """Demonstrations per optimizer step."""
+    micro_batch_size: PositiveInt = 16
+    """Demonstrations per forward/backward; gradients add up to ``batch_size`` (same step, less memory)."""
+    learning_rate: Positive = 5e-4
+    """Peak AdamW learning rate (small models from scratch like 1e-3; pretrained ones 1e-5..5e-5)."""
+    weight_decay: NonNegative = 0.0
+    """AdamW decoupled weight decay, applied to every parameter."""
+    warmup_steps: Count = 0
+    """Steps of linear warmup from ~0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
+    max_grad_norm: Positive | None = 1.0
+    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
+    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
+    """Longest prompt + reply + eos in tokens; longer rows keep the prompt's end and the reply's start."""
+    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 50
+    """Evaluate the held-out loss every this many steps (0 = only before and after training)."""
+    eval_batch_size: PositiveInt = 64
+    """Demonstrations per forward pass during evaluation."""
+    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
+    """Write a progress line (loss, rate, ETA) to the module logger every this many steps (0 = never)."""
+    seed: Count = 0
+    """Seeds the shuffling and the dropout masks."""
+    dropout: Annotated[float, Range(ge=0, lt=1)] | None = None
+    """Dropout rate during SFT (None = keep the model's); the model's own rates are restored afterwards."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "sft")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"sft.micro_batch_size={self.micro_batch_size} must be <= sft.batch_size")
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Hyperparameters of DPO / IPO."""
+
+    beta: Positive = 0.1
+    """Strength of the implicit leash to the reference: the smaller, the further the policy may move (TRL 0.1).
+    For IPO the regulariser tau: the target log-ratio difference is 1 / (2 beta)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """'sigmoid': DPO's -log sigmoid(beta h); 'ipo': IPO's squared loss (h - 1/(2 beta))^2."""
+    ipo_per_token: bool = True
+    """IPO only: divide each reply's log-ratio by its token count before the difference (TRL's IPO, the form the
+    IPO authors report); False = the summed log-probs of the paper's Eq. 17, whose target ignores reply length."""
+    epochs: PositiveInt = 1
+    """Passes over the training pairs."""
+    batch_size: PositiveInt = 32
+    """Pairs per optimizer step; the loss is their mean."""
+    micro_batch_size: PositiveInt = 32
+    """Pairs per forward/backward (both replies of a pair go in one forward); a memory knob, never the update."""
+    learning_rate: Positive = 1e-6
+    """Peak AdamW learning rate (TRL 1e-6 for pretrained models; a small model trained from scratch takes ~1e-4)."""
+    weight_decay: NonNegative = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: Count = 0
+    """Steps of linear warmup from ~0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """After warmup: keep ``learning_rate`` or decay it linearly towards 0 at the last step."""
+    max_grad_norm: Positive | None = 1.0
+    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
+    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
+    """Longest prompt + reply + eos in tokens; longer ones keep the prompt's end and the reply's start (as SFT)."""
+    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 0
+    """Measure the held-out pairs every this many steps (0 = only before and after training)."""
+    eval_batch_size: PositiveInt = 64
+    """Pairs per forward pass when log-probs are only measured (the reference's, evaluations)."""
+    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
+    """Write a progress line (loss, reward accuracy, rate, ETA) every this many steps (0 = never)."""
+    seed: Count = 0
+    """Seeds the order of the pairs."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "dpo")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"dpo.micro_batch_size={self.micro_batch_size} must be <= dpo.batch_size="
+                             f"{self.batch_size}")

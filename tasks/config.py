@@ -1,9 +1,9 @@
 """One typed configuration for the whole pipeline, loaded from a preset, a YAML file and dotted overrides.
 
-The stage settings reuse the frozen dataclasses of ``rlhf_core``: ``PPOSection`` IS a ``PPOConfig`` and
-``SFTSection`` an ``SFTConfig`` (each adds the pipeline's own fields), ``reward_model.training`` is a
-``RewardTrainingConfig``, ``data.prep`` a ``DataPrepConfig`` and ``data.demo`` a ``DemoDataConfig``. This module
-adds the sections around them and a strict loader:
+The stage settings reuse the frozen dataclasses of ``rlhf_core.config``: ``PPOSection`` IS a ``PPOConfig``,
+``SFTSection`` an ``SFTConfig`` and ``DPOSection`` a ``DPOConfig`` (each adds the pipeline's own fields),
+``reward_model.training`` is a ``RewardTrainingConfig``; ``data.prep`` is a ``DataPrepConfig`` and ``data.demo`` a
+``DemoDataConfig``. This module adds the sections around them and a strict loader:
 
     cfg = load_config("my.yaml", preset="tiny", overrides=["ppo.kl.coef=0.1", "data.demo.n_pairs=500"])
 
@@ -19,15 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from rlhf_core.config import PPOConfig, RewardTrainingConfig
+from rlhf_core.config import DPOConfig, PPOConfig, RewardTrainingConfig, SFTConfig
 from rlhf_core.data import DataPrepConfig
 from rlhf_core.demo.annotator import DEFAULT_TEMPERATURE
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import ModelSize, model_size
 from rlhf_core.models.tokenizer import MIN_VOCAB_SIZE, SpecialTokens
 from rlhf_core.ranges import Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range, check_ranges
-from rlhf_core.training.dpo import DPOConfig
-from rlhf_core.training.sft import SFTConfig
 from tasks.run_store.keys import LocalPath, ModelSource
 from tasks.typed_yaml import (ConfigError, build, derived, flatten_for_params, merge_layer, one_line, parse_override,
                               read_yaml)
@@ -420,16 +418,12 @@ def load_config(path: str | Path | None = None, preset: str | None = None,
     return build(PipelineConfig, *_layers(path, preset, overrides))
 
 
-def resolve_config(path: str | Path | None = None, preset: str | None = None,
-                   overrides: Sequence[str] = ()) -> PipelineConfig:
-    """:func:`load_config`, then the checks that need this machine (``tasks.preflight``: files, device,
-    precision, lengths): what every command that starts or continues a run uses, before any stage runs."""
-    from tasks.preflight import check_environment
-
+def load_config_with_origins(path: str | Path | None = None, preset: str | None = None,
+                              overrides: Sequence[str] = ()) -> tuple[PipelineConfig, dict[str, str]]:
+    """:func:`load_config`, and where each setting came from (dotted key -> its layer), for the checks that run
+    after the config is built (``tasks.preflight.resolve_config``) to name a bad value's source."""
     merged, key, origins = _layers(path, preset, overrides)
-    config = build(PipelineConfig, merged, key, origins)
-    check_environment(config, origins)
-    return config
+    return build(PipelineConfig, merged, key, origins), origins
 
 
 def _layers(path: str | Path | None, preset: str | None,

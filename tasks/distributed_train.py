@@ -25,7 +25,8 @@ from rlhf_core.distributed.deepspeed_config import load_deepspeed_config
 from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed, partitioned_loading
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.ppo_loop import train_ppo
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tasks.io import read_prompts
 from tasks.launch import DistributedJob, reward_history_to_json
 from tasks.models import build_ppo_models, config_max_positions, load_tokenizer, tokenize_prompts

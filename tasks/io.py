@@ -14,18 +14,15 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.data import PREFERENCE_PAIRS, DataError, DType, TableSchema
+from rlhf_core.data.records import PreferencePair
 from tasks.sources import (COMPRESSION_SUFFIXES, CSV_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES,  # noqa: F401
                            read_source)
-
-if TYPE_CHECKING:
-    from rlhf_core.training.reward_training import PreferencePair
 
 _ARROW_TYPES = {DType.STRING: pa.string(), DType.FLOAT64: pa.float64(), DType.INT64: pa.int64()}
 
@@ -118,7 +115,6 @@ def atomic_write_dir(path: str | Path, write: Callable[[Path], object]) -> Path:
 
 def read_pairs(path: str | Path) -> list[PreferencePair]:
     """The rows of a PREFERENCE_PAIRS Parquet table as PreferencePair (a null or NaN margin becomes None)."""
-    from rlhf_core.training.reward_training import PreferencePair  # torch: only the stages that train need it
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"preference table {path} does not exist; run the data-prep stage first")

@@ -39,7 +39,7 @@ from rlhf_core.data.schema import (CHOSEN, COLUMN, DETAIL, MARGIN, PROMPT, RAW, 
                                    SOURCE_FILE, SOURCE_ROW)
 from rlhf_core.data.text import make_measure
 from rlhf_core.evaluation.annotators import ReplyPair
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 from tasks.io import CSV_SUFFIXES, PARQUET_SUFFIXES, atomic_write, optional_margin, read_source
 
 PAIR_ID, REPLY_A, REPLY_B, LABEL = "pair_id", "reply_a", "reply_b", "label"

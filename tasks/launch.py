@@ -35,7 +35,8 @@ from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
-from rlhf_core.training.reward_training import PreferencePair, RewardEval, RewardTrainingResult, train_reward_model
+from rlhf_core.training.reward_training import RewardEval, RewardTrainingResult, train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tasks.config import DistributedSection
 from tasks.runtime import Runtime
 from tasks.typed_yaml import config_to_dict

@@ -24,9 +24,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.models.lora import plain_model
 from rlhf_core.models.scoring import decode_rollout
+from rlhf_core.models.sequences import left_pad
 from rlhf_core.training.checkpoint import latest_checkpoint, trainable_view
 from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.rollout import generate, left_pad
+from rlhf_core.training.rollout import generate
 from rlhf_core.config import PPOConfig
 from rlhf_core.ranges import KeptCount
 from tasks.config import DistributedSection, PipelineConfig

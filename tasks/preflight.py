@@ -3,28 +3,35 @@ DeepSpeed config is one the loops can honour), every model it names can be had a
 (``tasks.preflight_models``), its device exists, its precision settings fit together and its lengths fit the model.
 
 Range and type rules hold while the config is built (``tasks.typed_yaml``, ``rlhf_core.ranges``); these need
-the file system, the network or the hardware, so ``tasks.config.resolve_config`` runs them once, with each value's
+the file system, the network or the hardware, so :func:`resolve_config` runs them once, with each value's
 source: every refusal is one line naming the dotted key, the value, where it came from and what would be valid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from rlhf_core.models.families import config_positions
 from rlhf_core.models.lm import model_size
+from tasks.config import PipelineConfig, load_config_with_origins
 from tasks.preflight_models import (MODEL_WORDS, POLICY_KEY, ModelsAtHand, check_model_kinds, hub_cache, model_folder,
                                     preflight_critic, require_exists)
 from tasks.run_store.keys import path_settings
 from tasks.typed_yaml import ConfigError, bad_value, source_of
 
-if TYPE_CHECKING:
-    from tasks.config import PipelineConfig
+__all__ = ["check_environment", "hub_cache", "resolve_config"]
 
-__all__ = ["check_environment", "hub_cache"]
+
+def resolve_config(path: str | Path | None = None, preset: str | None = None,
+                   overrides: Sequence[str] = ()) -> PipelineConfig:
+    """:func:`tasks.config.load_config`, then the checks that need this machine (:func:`check_environment`: files,
+    device, precision, lengths): what every command that starts or continues a run uses, before any stage runs."""
+    config, origins = load_config_with_origins(path, preset, overrides)
+    check_environment(config, origins)
+    return config
 
 
 def check_environment(config: PipelineConfig, origins: Mapping[str, str]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlhf_core.evaluation.demo_eval import gold_judged
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 
 
 def gold_judged_onpolicy(gold: bool, onpolicy: Sequence[PreferencePair]) -> list[PreferencePair]:

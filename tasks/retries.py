@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tasks.tracking import is_transient_error
+from tasks.tracking.registry import is_transient_error
 
 if TYPE_CHECKING:
     from prefect import Task

@@ -34,7 +34,8 @@ from rlhf_core.models.roles import init_reward_model
 from rlhf_core.models.text import pad_id
 from rlhf_core.models.tokenizer import SpecialTokens
 from rlhf_core.training.refresh import refresh_seed
-from rlhf_core.training.reward_training import PreferencePair, RewardTrainingResult, encode_pairs, score_pairs
+from rlhf_core.training.reward_training import RewardTrainingResult, encode_pairs, score_pairs
+from rlhf_core.data.records import PreferencePair
 from tasks.config import DistributedSection, PipelineConfig, RewardModelSection
 from tasks.io import read_pairs, write_json, write_parquet
 from tasks.launch import fit_reward_model

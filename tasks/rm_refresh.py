@@ -54,12 +54,8 @@ from rlhf_core.training.refresh import (
     split_by_prompt,
     training_config,
 )
-from rlhf_core.training.reward_training import (
-    PreferencePair,
-    encode_pairs,
-    evaluate_reward_model,
-    train_reward_model,
-)
+from rlhf_core.training.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tasks.config import PipelineConfig, RefreshSection
 from tasks.io import read_pairs, read_parquet, read_prompts, write_json, write_parquet
 from tasks.labelling import (

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tasks.run_store import Artifact
-from tasks.tracking import resolve_model_uri
+from tasks.tracking.registry import resolve_model_uri
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig

@@ -29,7 +29,8 @@ from prefect import Task, task
 from tasks import tracking
 from tasks.retries import retry_on_transient_io
 from tasks.run_store import ActiveRun, Artifact, RunStore, code_version, stage_key
-from tasks.tracking import ModelRef, StageTracker
+from tasks.tracking.registry import ModelRef
+from tasks.tracking.runs import StageTracker
 
 if TYPE_CHECKING:
     from tasks.config import TrackingSection

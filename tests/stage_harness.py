@@ -21,7 +21,8 @@ from tasks.config import TrackingSection
 from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput
 from tasks.stage import Publication, Runner, run_stage
-from tasks.tracking import configure_tracking, pipeline_run, stage_run
+from tasks.tracking.runs import pipeline_run, stage_run
+from tasks.tracking.setup import configure_tracking
 
 
 class StageHarness:

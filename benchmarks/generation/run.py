@@ -121,7 +121,7 @@ def main() -> None:
         rollout.COMPILED_DEVICES = rollout.COMPILED_DEVICES | {"cpu"}
     from benchmarks.ppo_vs_trl.settings import smoke_settings
     from rlhf_core.models.roles import load_policy
-    from rlhf_core.training.rollout import left_pad
+    from rlhf_core.models.sequences import left_pad
 
     s = smoke_settings() if args.smoke else Settings()
     repeats = args.repeats or (2 if args.smoke else 7)

@@ -244,7 +244,7 @@ def decode(scale: Scale, device: torch.device, repeats: int) -> dict[str, Any]:
     from transformers import Qwen2ForCausalLM
 
     from benchmarks.generation.run import hf, ours
-    from rlhf_core.training.rollout import left_pad
+    from rlhf_core.models.sequences import left_pad
 
     torch.manual_seed(0)
     with torch.device(device):

@@ -27,7 +27,8 @@ from benchmarks.common import default_out, machine, write_result
 from rlhf_core.evaluation.metrics import spearman
 from rlhf_core.models.roles import init_reward_model
 from rlhf_core.models.text import pad_id
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tasks.config import load_config
 from tasks.io import read_pairs
 from tasks.models import load_tokenizer

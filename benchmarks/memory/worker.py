@@ -24,9 +24,9 @@ from benchmarks.common import peak_rss_mib, rss_mib
 from rlhf_core.config import GenerationConfig, LoRAConfig, PPOConfig
 from rlhf_core.models.lora import LoRACritic, lora_policy
 from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, freeze, make_reference, sequence_scores
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
-from rlhf_core.training.rollout import Rollout
 
 SETUPS = ("full", "lora_head", "lora_critic", "critic_free")
 

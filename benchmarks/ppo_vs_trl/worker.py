@@ -21,8 +21,8 @@ import torch
 from benchmarks.common import peak_rss_mib, rss_mib
 from benchmarks.fixtures import Fixture, FixtureSpec, build_fixture
 from benchmarks.ppo_vs_trl.settings import Settings, ours_config, trl_config_kwargs
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.ppo.masking import response_mask_from_stop
-from rlhf_core.training.rollout import Rollout
 
 
 def prompt_batches(fixture: Fixture, s: Settings) -> list[list[list[int]]]:

@@ -1,4 +1,5 @@
-"""Plain record types passed between the reader (tasks/sources.py) and the pure data-prep logic."""
+"""Plain record types: what the reader (tasks/sources.py) passes to the pure data-prep logic, and the preference
+pairs the reward model, DPO and the annotators work on."""
 
 from __future__ import annotations
 
@@ -82,3 +83,13 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
 
 def _escape_char(ch: str) -> str:
     return repr(ch)[1:-1] if ch not in "\n\t" else {"\n": "\\n", "\t": "\\t"}[ch]
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One human (or simulated) judgement: ``chosen`` was preferred to ``rejected`` for ``prompt``."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: float | None = None

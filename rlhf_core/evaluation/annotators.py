@@ -30,7 +30,8 @@ from rlhf_core.models.text import (
     keep_tail,
     pad_id,
 )
-from rlhf_core.training.reward_training import PreferencePair, score_pairs
+from rlhf_core.training.reward_training import score_pairs
+from rlhf_core.data.records import PreferencePair
 from rlhf_core.training.rollout import generate_in_batches
 
 

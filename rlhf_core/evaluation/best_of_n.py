@@ -28,8 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.metrics import best_of_n_kl
 from rlhf_core.models.scoring import Scorer, decode_rollout
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.models.text import pad_id
-from rlhf_core.training.rollout import Rollout, generate_in_batches
+from rlhf_core.training.rollout import generate_in_batches
 
 __all__ = ["BestOfNPoint", "Candidates", "best_of_n_curve", "best_of_n_indices", "best_of_n_kl", "check_ns",
            "sample_candidates", "score_candidates", "take"]

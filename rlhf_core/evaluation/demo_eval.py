@@ -19,7 +19,7 @@ from rlhf_core.demo.prompts import PromptRecord
 from rlhf_core.demo.replies import best_reply
 from rlhf_core.evaluation.policy_eval import fit_max_new_tokens, sample_replies
 from rlhf_core.models.text import encode_prompt
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 
 @dataclass(frozen=True)
 class GoldSummary:

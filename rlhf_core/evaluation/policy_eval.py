@@ -29,8 +29,9 @@ from rlhf_core.models.budget import row_chunks
 from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import policy_forward
 from rlhf_core.models.scoring import Scorer, decode_rollout
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.models.text import encode_prompt, pad_id
-from rlhf_core.training.rollout import Rollout, generate_in_batches
+from rlhf_core.training.rollout import generate_in_batches
 
 #: Temperature at which policy and reference log-probs are compared: the models' own distributions.
 KL_TEMPERATURE = 1.0

@@ -28,7 +28,7 @@ from transformers.pytorch_utils import Conv1D
 
 from rlhf_core.config import LoRAConfig
 from rlhf_core.models.roles import disable_dropout, keep_in_float32, score_head, split_classifier
-from rlhf_core.training.rollout import positions_from_mask
+from rlhf_core.models.sequences import positions_from_mask
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Every linear layer of the transformer blocks (QLoRA found adapting all of them matches full fine-tuning

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.models.families import attention_is_causal
-from rlhf_core.training.rollout import positions_from_mask
+from rlhf_core.models.sequences import positions_from_mask
 
 
 #: A packed row holds up to this many times the longest sequence: fewer rows and less filler against an

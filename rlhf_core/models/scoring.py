@@ -16,9 +16,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf_core.models.budget import packs_scores, row_chunks, token_chunks
 from rlhf_core.models.families import max_positions, score_prefix
 from rlhf_core.models.roles import sequence_scores
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.models.text import keep_tail, pad_id, right_pad, same_vocabulary
 from rlhf_core.ppo.rewards import ENSEMBLE_AGGREGATIONS, EnsembleAggregation, aggregate_members
-from rlhf_core.training.rollout import Rollout
 
 
 class Scorer(Protocol):

@@ -5,6 +5,7 @@
 - ``rewards``: per-token rewards (KL penalty on every token, score on the last), score shaping, running moments.
 - ``advantages``: GAE, sequence-level advantages, advantage whitening.
 - ``losses``: policy, value, Bradley-Terry and the combined PPO objective.
+- ``pairwise``: pairwise accuracy of two scores (one tie rule for every accuracy and win rate).
 - ``stats``: typed PPO statistics and their metric names.
 
 Import from the modules themselves (``from rlhf_core.ppo.losses import policy_loss``).

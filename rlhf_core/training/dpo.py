@@ -25,68 +25,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.config import DPOConfig
+from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_stop_and_pad
-from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
-from rlhf_core.training.reward_training import PreferencePair
 from rlhf_core.training.sft import (IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples,
                                    scheduled_learning_rate, shuffled_batches)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DPOConfig:
-    """Hyperparameters of DPO / IPO."""
-
-    beta: Positive = 0.1
-    """Strength of the implicit leash to the reference: the smaller, the further the policy may move (TRL 0.1).
-    For IPO the regulariser tau: the target log-ratio difference is 1 / (2 beta)."""
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    """'sigmoid': DPO's -log sigmoid(beta h); 'ipo': IPO's squared loss (h - 1/(2 beta))^2."""
-    ipo_per_token: bool = True
-    """IPO only: divide each reply's log-ratio by its token count before the difference (TRL's IPO, the form the
-    IPO authors report); False = the summed log-probs of the paper's Eq. 17, whose target ignores reply length."""
-    epochs: PositiveInt = 1
-    """Passes over the training pairs."""
-    batch_size: PositiveInt = 32
-    """Pairs per optimizer step; the loss is their mean."""
-    micro_batch_size: PositiveInt = 32
-    """Pairs per forward/backward (both replies of a pair go in one forward); a memory knob, never the update."""
-    learning_rate: Positive = 1e-6
-    """Peak AdamW learning rate (TRL 1e-6 for pretrained models; a small model trained from scratch takes ~1e-4)."""
-    weight_decay: NonNegative = 0.0
-    """AdamW decoupled weight decay."""
-    warmup_steps: Count = 0
-    """Steps of linear warmup from ~0 to ``learning_rate``."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """After warmup: keep ``learning_rate`` or decay it linearly towards 0 at the last step."""
-    max_grad_norm: Positive | None = 1.0
-    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
-    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
-    """Longest prompt + reply + eos in tokens; longer ones keep the prompt's end and the reply's start (as SFT)."""
-    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 0
-    """Measure the held-out pairs every this many steps (0 = only before and after training)."""
-    eval_batch_size: PositiveInt = 64
-    """Pairs per forward pass when log-probs are only measured (the reference's, evaluations)."""
-    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
-    """Write a progress line (loss, reward accuracy, rate, ETA) every this many steps (0 = never)."""
-    seed: Count = 0
-    """Seeds the order of the pairs."""
-
-    def __post_init__(self) -> None:
-        check_ranges(self, "dpo")
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(f"dpo.micro_batch_size={self.micro_batch_size} must be <= dpo.batch_size="
-                             f"{self.batch_size}")
 
 
 def pair_losses(config: DPOConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

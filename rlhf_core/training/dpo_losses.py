@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.evaluation.metrics import pairwise_accuracy
+from rlhf_core.ppo.pairwise import pairwise_accuracy
 from rlhf_core.ppo.masking import logprobs_from_logits, masked_sum
 from rlhf_core.training.sft import IGNORE_INDEX
 

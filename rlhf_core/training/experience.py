@@ -18,12 +18,13 @@ from rlhf_core.models.memory import autocast
 from rlhf_core.models.packing import supports_packing
 from rlhf_core.models.roles import Critic, ValueHead, critic_forward, policy_forward
 from rlhf_core.models.scoring import Scorer
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.ppo.advantages import baseline_scores, gae, returns_to_go, sequence_advantages, whiten_advantages
 from rlhf_core.ppo.kl import kl_estimate
 from rlhf_core.ppo.masking import masked_mean, masked_sum
 from rlhf_core.ppo.rewards import RunningMoments, shape_scores, token_rewards
 from rlhf_core.ppo.stats import RolloutStats
-from rlhf_core.training.rollout import Rollout, generate_in_batches
+from rlhf_core.training.rollout import generate_in_batches
 
 
 @dataclass

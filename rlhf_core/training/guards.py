@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from rlhf_core.training.strategy import Strategy
 
 
 class NonFiniteError(FloatingPointError):
@@ -45,16 +41,3 @@ def require_finite_weights(modules: Mapping[str, nn.Module | None]) -> None:
         for parameter_name, parameter in module.named_parameters():
             if not bool(torch.isfinite(parameter.detach()).all()):
                 raise NonFiniteError(f"{name} weight {parameter_name} holds NaN or infinite values")
-
-
-def refuse_non_finite(strategy: Strategy, what: str, value: float, parts: dict[str, float] | None = None) -> None:
-    """NonFiniteError when ``value`` is NaN or infinite on any rank (all ranks agree, so none waits in a
-    collective for one that stopped), before its backward: nothing of the step is applied."""
-    bad = float(not math.isfinite(value))
-    if strategy.world_size > 1:
-        bad = strategy.all_sum({"non_finite": bad})["non_finite"]
-    if bad and math.isfinite(value):
-        raise NonFiniteError(f"{what} is not finite on another process")
-    if bad:
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in (parts or {}).items())
-        raise NonFiniteError(f"{what} is {value}" + (f" ({shown})" if shown else ""))

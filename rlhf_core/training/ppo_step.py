@@ -33,7 +33,6 @@ from rlhf_core.ppo.masking import masked_var
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import PPOStats, TimeStats, UpdateStats
 from rlhf_core.training.experience import Experience, PPOModels, collect_experience
-from rlhf_core.training.guards import refuse_non_finite
 from rlhf_core.training.strategy import (
     LocalStrategy,
     Strategy,
@@ -42,6 +41,7 @@ from rlhf_core.training.strategy import (
     gather_scored_rollouts,
     local_optimizer,
     local_strategy,
+    refuse_non_finite,
     shard,
 )
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 
 Record = Mapping[str, object]
 

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_wins
+from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.budget import pair_chunks, pair_lengths, packs_scores, same_count, token_chunks
 from rlhf_core.models.lora import add_training_adapter, merge_adapter
 from rlhf_core.models.memory import autocast, enable_gradient_checkpointing
@@ -22,20 +22,12 @@ from rlhf_core.models.families import score_prefix
 from rlhf_core.models.roles import disable_dropout, keep_in_float32, score_head, sequence_scores
 from rlhf_core.models.text import encode_pair, keep_tail, pad_id, right_pad
 from rlhf_core.ppo.losses import bradley_terry_loss
-from rlhf_core.training.guards import NonFiniteError, refuse_non_finite, require_finite_weights
-from rlhf_core.training.strategy import Strategy, StrategyFactory, TrainableGroup, local_strategy, weighted_shard
+from rlhf_core.ppo.pairwise import pairwise_accuracy, pairwise_wins
+from rlhf_core.training.guards import NonFiniteError, require_finite_weights
+from rlhf_core.training.strategy import (Strategy, StrategyFactory, TrainableGroup, local_strategy, refuse_non_finite,
+                                         weighted_shard)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """One human (or simulated) judgement: ``chosen`` was preferred to ``rejected`` for ``prompt``."""
-
-    prompt: str
-    chosen: str
-    rejected: str
-    margin: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +63,7 @@ class RewardEval:
 
     loss: float
     accuracy: float
-    """Fraction of pairs with s_chosen > s_rejected, ties counting half (``metrics.pairwise_accuracy``)."""
+    """Fraction of pairs with s_chosen > s_rejected, ties counting half (``ppo.pairwise.pairwise_accuracy``)."""
     margin_mean: float
     """Mean of s_chosen - s_rejected."""
     score_mean: float

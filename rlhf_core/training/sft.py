@@ -15,15 +15,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_core.config import SFTConfig
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_stop_and_pad
-from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 
 logger = logging.getLogger(__name__)
@@ -35,45 +34,6 @@ IGNORE_INDEX = -100
 Demonstration = tuple[str, str]
 #: ``on_log(step, metrics)``: called after every step (train metrics) and every evaluation (eval metrics).
 LogFn = Callable[[int, dict[str, float]], None]
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """Hyperparameters of supervised fine-tuning."""
-
-    epochs: PositiveInt = 3
-    """Passes over the training demonstrations."""
-    batch_size: PositiveInt = 16
-    """Demonstrations per optimizer step."""
-    micro_batch_size: PositiveInt = 16
-    """Demonstrations per forward/backward; gradients add up to ``batch_size`` (same step, less memory)."""
-    learning_rate: Positive = 5e-4
-    """Peak AdamW learning rate (small models from scratch like 1e-3; pretrained ones 1e-5..5e-5)."""
-    weight_decay: NonNegative = 0.0
-    """AdamW decoupled weight decay, applied to every parameter."""
-    warmup_steps: Count = 0
-    """Steps of linear warmup from ~0 to ``learning_rate``."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
-    max_grad_norm: Positive | None = 1.0
-    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
-    max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
-    """Longest prompt + reply + eos in tokens; longer rows keep the prompt's end and the reply's start."""
-    eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 50
-    """Evaluate the held-out loss every this many steps (0 = only before and after training)."""
-    eval_batch_size: PositiveInt = 64
-    """Demonstrations per forward pass during evaluation."""
-    log_every: Annotated[int, Range(ge=0, note="0 = never")] = 20
-    """Write a progress line (loss, rate, ETA) to the module logger every this many steps (0 = never)."""
-    seed: Count = 0
-    """Seeds the shuffling and the dropout masks."""
-    dropout: Annotated[float, Range(ge=0, lt=1)] | None = None
-    """Dropout rate during SFT (None = keep the model's); the model's own rates are restored afterwards."""
-
-    def __post_init__(self) -> None:
-        check_ranges(self, "sft")
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(f"sft.micro_batch_size={self.micro_batch_size} must be <= sft.batch_size")
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.training.checkpoint import load_checkpoint, save_checkpoint
 from rlhf_core.training.experience import concat_rollouts
 from rlhf_core.training.guards import NonFiniteError
-from rlhf_core.training.rollout import Rollout
 
 T = TypeVar("T")
 LRLambda = Callable[[int], float]
@@ -210,6 +210,19 @@ class LocalStrategy:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         return saved
+
+
+def refuse_non_finite(strategy: Strategy, what: str, value: float, parts: dict[str, float] | None = None) -> None:
+    """NonFiniteError when ``value`` is NaN or infinite on any rank (all ranks agree, so none waits in a
+    collective for one that stopped), before its backward: nothing of the step is applied."""
+    bad = float(not math.isfinite(value))
+    if strategy.world_size > 1:
+        bad = strategy.all_sum({"non_finite": bad})["non_finite"]
+    if bad and math.isfinite(value):
+        raise NonFiniteError(f"{what} is not finite on another process")
+    if bad:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in (parts or {}).items())
+        raise NonFiniteError(f"{what} is {value}" + (f" ({shown})" if shown else ""))
 
 
 def shard(items: Sequence[T], rank: int, world_size: int, what: str = "batch") -> Sequence[T]:

@@ -8,9 +8,10 @@ inputs, of the stages downstream of it). What counts as imported, per module:
 - every ``import`` / ``from ... import`` in it, at the top or inside a function (lazy imports are still imports);
   ``from package import name`` counts ``package.name`` too where that is a module;
 - the packages above each imported module (their ``__init__`` runs first);
-- every quoted dotted name of a project module in its source (``"tasks.distributed_train"``, which a stage starts
-  with ``python -m``; a package's lazy exports): code reached through ``importlib`` is named by a string somewhere.
-  (A name quoted in a docstring counts too: the closure may be larger than needed, never smaller.)
+- every string in its code that is the dotted name of a project module (``"tasks.distributed_train"``, which a
+  stage starts with ``python -m``; ``importlib.import_module("...")``): code reached without an ``import`` statement
+  is named by a string somewhere. Docstrings are not code and name nothing here; a name built at run time (an
+  f-string) cannot be followed, so the project builds none.
 """
 
 from __future__ import annotations
@@ -64,22 +65,22 @@ def _read(path: Path) -> _Module:
     return _parse(path, stat.st_mtime_ns, stat.st_size)
 
 
-#: A quoted dotted name: a module named in a string.
-_QUOTED_NAME = re.compile(r"""["']([A-Za-z_]\w*(?:\.\w+)+)["']""")
+#: A string that is a dotted name: a module named in a string.
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
 
 
 @lru_cache(maxsize=4096)
 def _parse(path: Path, mtime_ns: int, size: int) -> _Module:
-    source = path.read_bytes()
-    tree = ast.parse(source)
-    named = {m.group(1) for m in _QUOTED_NAME.finditer(source.decode("utf-8"))}
+    tree = _strip_strings(ast.parse(path.read_bytes()))
+    named = {node.value for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED_NAME.fullmatch(node.value)}
     for node in _statements(tree):
         if isinstance(node, ast.Import):
             named |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(path, node.module, node.level)
             named |= {base} | {f"{base}.{alias.name}" for alias in node.names}
-    code = marshal.dumps(_without_positions(compile(_strip_strings(tree), "<module>", "exec", dont_inherit=True)))
+    code = marshal.dumps(_without_positions(compile(tree, "<module>", "exec", dont_inherit=True)))
     return _Module(frozenset(named), code)
 
 

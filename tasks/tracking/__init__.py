@@ -18,9 +18,9 @@ from tasks.tracking.registry import (ArtifactReference, ModelRef, get_alias_vers
 from tasks.tracking.runs import (KIND_TAG, PARENT_TAG, RUN_ID_TAG, STAGE_TAG, SWEEP_TAG, StageTracker, end_run,
                                  log_figure, log_file, log_metrics, log_params_flat, log_tables, logged_keys, pipeline_run,
                                  replay_metrics, run_url, set_description, set_run_name, set_tags, stage_run, sweep_run)
-from tasks.tracking.runs import MetricSender, TrackingUnavailable
-from tasks.tracking.setup import (check_server, configure_tracking, ensure_experiment, keep_credentials_out,
-                                  rebase_local_store, without_credentials)
+from tasks.tracking.runs import MetricSender
+from tasks.tracking.setup import (TrackingUnavailable, check_server, configure_tracking, ensure_experiment,
+                                  keep_credentials_out, rebase_local_store, without_credentials)
 
 __all__ = ["ArtifactReference", "KIND_TAG", "PARENT_TAG", "RUN_ID_TAG", "STAGE_TAG", "SWEEP_TAG", "ModelRef",
            "StageTracker", "configure_tracking", "end_run", "sweep_run",

@@ -26,8 +26,8 @@ import torch
 from rlhf_core.config import GenerationConfig
 from rlhf_core.evaluation.policy_eval import sample_replies
 from rlhf_core.models.roles import freeze, load_policy
+from rlhf_core.models.sequences import Rollout, left_pad
 from rlhf_core.models.text import encode_pair, encode_prompt, pad_id, right_pad
-from rlhf_core.training.rollout import Rollout, left_pad
 from tasks.models import load_tokenizer, reward_members, reward_scorer
 from tasks.runtime import Runtime
 from tasks.tracking.registry import SETTINGS_FILE, referenced_folder

@@ -20,7 +20,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-from tasks.tracking.setup import ensure_experiment
+from tasks.tracking.setup import TrackingUnavailable, ensure_experiment
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -264,10 +264,6 @@ class StageTracker:
 
 DRAIN_SECONDS = 600.0
 """How long a stage's end waits for a tracking server that went away to take its queued metrics."""
-
-
-class TrackingUnavailable(ConnectionError):
-    """The tracking server cannot be reached (at start), or did not take queued metrics in time."""
 
 
 class MetricSender:

@@ -36,6 +36,9 @@ _store: RunStore | None = None
 _own_uri: str | None = None
 
 
+class TrackingUnavailable(ConnectionError):
+    """The tracking server cannot be reached (at start), or did not take queued metrics in time."""
+
 
 def configure_tracking(store: RunStore, uri: str | None = None) -> str:
     """Point MLflow at MLFLOW_TRACKING_URI if set, else ``uri``, else SQLite in the state folder; returns the URI.
@@ -88,8 +91,6 @@ def check_reachable(uri: str, timeout: float = REACHABLE_TIMEOUT_SECONDS) -> Non
     """TrackingUnavailable, in one line and within ``timeout`` seconds, when nothing answers at the server's
     address (any HTTP answer, an error status included, counts as reachable: the server then says what is wrong)."""
     import requests
-
-    from tasks.tracking.runs import TrackingUnavailable
 
     clean = without_credentials(uri)[0]
     try:

@@ -15,7 +15,8 @@ from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_refe
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import PPOModels, collect_experience
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, micro_batch_loss, ppo_step
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24

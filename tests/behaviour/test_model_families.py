@@ -18,12 +18,13 @@ from rlhf_core.models.families import attention_is_causal, probe_causal, score_p
 from rlhf_core.models.roles import (Critic, ValueHead, freeze, init_reward_model, load_policy, load_reward_model,
                                     make_reference, sequence_scores)
 from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.sequences import Rollout, left_pad
 from rlhf_core.models.text import encode_pair, encode_prompt, pad_id, right_pad
 from rlhf_core.models.tokenizer import resolve_special_tokens
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
-from rlhf_core.training.rollout import Rollout, left_pad
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tests.model_families import (BASE_CLASSES, DECODERS, FAMILIES, POLICY_CLASSES, REWARD_CLASSES, config,
                                   save_base_model, save_policy, save_reward_model)
 

@@ -147,7 +147,8 @@ def test_reward_model_micro_batch_size_never_changes_the_update(tiny_reward_dir,
     weights of whole 8-pair batches after two SGD steps, with the margin and the centring term in the loss."""
     from rlhf_core.config import RewardTrainingConfig
     from rlhf_core.models.roles import load_reward_model
-    from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+    from rlhf_core.training.reward_training import train_reward_model
+    from rlhf_core.data.records import PreferencePair
     from rlhf_core.training.strategy import TrainableGroup
 
     def sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float) -> LocalStrategy:

@@ -14,7 +14,8 @@ from transformers.activations import GELUTanh
 from rlhf_core.models.lm_head import split_lm_head
 from rlhf_core.models.packing import pack, padded_forward, supports_packing
 from rlhf_core.models.roles import ValueHead, fuse_activations, load_policy, policy_forward
-from rlhf_core.training.rollout import positions_from_mask, sample_tokens
+from rlhf_core.models.sequences import positions_from_mask
+from rlhf_core.training.rollout import sample_tokens
 from tests.tiny_models import gpt2_config
 
 PAD = 0

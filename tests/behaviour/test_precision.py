@@ -19,7 +19,8 @@ from rlhf_core.models.memory import autocast
 from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, policy_forward
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import train_ppo
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 VOCAB, PAD, BOS, EOS = 28, 0, 1, 2

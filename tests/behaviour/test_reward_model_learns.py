@@ -9,7 +9,8 @@ import torch
 
 from rlhf_core.config import RewardTrainingConfig
 from rlhf_core.models.roles import load_reward_model
-from rlhf_core.training.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.training.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.data.records import PreferencePair
 
 FILLER = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "red", "blue", "big", "small", "tree", "box"]
 

@@ -10,7 +10,8 @@ from transformers import GPT2LMHeadModel
 
 from rlhf_core.config import GenerationConfig
 from rlhf_core.models.roles import policy_forward
-from rlhf_core.training.rollout import filter_logits, generate, generate_in_batches, left_pad
+from rlhf_core.models.sequences import left_pad
+from rlhf_core.training.rollout import filter_logits, generate, generate_in_batches
 from tests.model_families import DECODERS, POLICY_CLASSES, config
 from tests.tiny_models import gpt2_config
 

@@ -10,10 +10,11 @@ from rlhf_core.config import GenerationConfig
 from rlhf_core.models.roles import (Critic, ValueHead, critic_forward, load_policy, load_reward_model, make_reference,
                                     sequence_scores)
 from rlhf_core.models.scoring import RewardModelScorer, TextRewardFunction, WeightedSum
+from rlhf_core.models.sequences import left_pad
 from rlhf_core.models.text import encode_pair, right_pad
 from rlhf_core.ppo.masking import last_token_index
 from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.rollout import generate, left_pad
+from rlhf_core.training.rollout import generate
 from tests.tiny_models import SPECIALS, WORDS, gpt2_config
 
 

@@ -32,21 +32,17 @@ from rlhf_core.models.roles import (
     make_reference,
 )
 from rlhf_core.models.scoring import RewardModelScorer
+from rlhf_core.models.sequences import left_pad
 from rlhf_core.models.text import keep_tail, pad_id
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import UpdateStats
 from rlhf_core.training import ppo_step as ppo_step_module
 from rlhf_core.training.experience import PPOModels, collect_experience
 from rlhf_core.training.ppo_step import ppo_update, training_micro_batches
-from rlhf_core.training.reward_training import (
-    PreferencePair,
-    _micro_batches,
-    encode_pairs,
-    evaluate_reward_model,
-    score_pairs,
-    train_reward_model,
-)
-from rlhf_core.training.rollout import generate, left_pad
+from rlhf_core.training.reward_training import (_micro_batches, encode_pairs, evaluate_reward_model, score_pairs,
+                                                train_reward_model)
+from rlhf_core.data.records import PreferencePair
+from rlhf_core.training.rollout import generate
 from rlhf_core.training.strategy import LocalStrategy, TrainableGroup
 from tests.behaviour.test_model_families import (
     SPREAD,

@@ -25,7 +25,8 @@ from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import Experience, PPOModels, collect_experience
 from rlhf_core.training.ppo_loop import train_ppo
 from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from rlhf_core.training.strategy import StrategyFactory
 from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 

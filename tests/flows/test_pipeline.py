@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 import tasks.tracking
 from flows.pipeline import rlhf_pipeline
-from tasks.tracking import get_alias_version
+from tasks.tracking.registry import get_alias_version
 from tests.flows.conftest import new_tiny_run
 
 STAGES = ["data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration-1", "heldout-eval-1", "rm-refresh-1",

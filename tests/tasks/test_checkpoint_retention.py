@@ -27,7 +27,7 @@ from tasks import ppo_iteration
 from tasks.config import load_config
 from tasks.run_store import ResumeStateError
 from tasks.run_store.artifacts import manifest
-from tasks.tracking import resolve_model_uri, set_alias
+from tasks.tracking.registry import resolve_model_uri, set_alias
 from tests.stage_harness import StageHarness, unique_names
 from tests.tiny_models import gpt2_config, save_ppo_inputs
 

@@ -16,7 +16,7 @@ from rlhf_core.data import DataPrepConfig, InputFormat
 from rlhf_core.demo.config import DemoDataConfig
 from rlhf_core.models.lm import PRESETS as MODEL_SIZES, ModelSize
 from rlhf_core.training.ppo_step import make_kl_controller
-from rlhf_core.training.sft import SFTConfig
+from rlhf_core.config import SFTConfig
 from tasks.config import (ConfigError, PipelineConfig, SFTSection, available_presets, changed_settings, config_from_dict,
                           load_config)
 from tasks.typed_yaml import config_to_dict, dump_config, flatten_for_params

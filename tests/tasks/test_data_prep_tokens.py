@@ -18,8 +18,9 @@ from flows.cli import main
 from rlhf_core.data import PPO_PROMPTS, QUARANTINE, DataError, DataPrepCounts
 from rlhf_core.data import QuarantineReason as R
 from tasks import data_prep
-from tasks.config import ConfigError, load_config, resolve_config
+from tasks.config import ConfigError, load_config
 from tasks.io import read_parquet
+from tasks.preflight import resolve_config
 from tasks.run_store.keys import stage_key
 from tests.model_families import build_tokenizer, save_policy
 from tests.stage_harness import StageHarness

@@ -20,7 +20,8 @@ from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 from rlhf_core.config import GenerationConfig
 from rlhf_core.demo import render_prompt
 from rlhf_core.evaluation.policy_eval import evaluation_generation, rollout_kl
-from rlhf_core.training.rollout import generate, left_pad
+from rlhf_core.models.sequences import left_pad
+from rlhf_core.training.rollout import generate
 from tasks import heldout_eval, tracking
 from tasks.config import PipelineConfig, load_config
 from tasks.heldout_eval import CHAMPION, EVAL_SAMPLES, HACKING_CODES, STATUS_TAG, Inputs, Result

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BertConfig, DistilBertConfig, GPT2Config, LlamaConfig, PretrainedConfig,
                           PreTrainedTokenizerFast, ViTConfig)
 
-from tasks.config import ConfigError, PipelineConfig, resolve_config
-from tasks.preflight import hub_cache
+from tasks.config import ConfigError, PipelineConfig
+from tasks.preflight import hub_cache, resolve_config
 from tests.tiny_models import word_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -304,7 +304,7 @@ def test_an_ensemble_trains_members_that_register_and_score_as_one_model(stage: 
     members 1-2 train with seeds 1-2; the folder is one registered version; as a scorer the members' scores are
     aggregated as ppo.reward.ensemble says; the stage reports the ensemble's accuracy and disagreement."""
     from rlhf_core.models.scoring import EnsembleScorer
-    from rlhf_core.training.rollout import Rollout
+    from rlhf_core.models.sequences import Rollout
     from tasks.models import reward_members, reward_scorer
     from tasks.runtime import Runtime
 

@@ -28,7 +28,8 @@ from rlhf_core.evaluation.annotators import PerPairAnnotator, ReplyPair, RewardM
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.refresh import (draw_prompts, promotion, refresh_seed, replay_sample, split_by_prompt,
                                         training_config)
-from rlhf_core.training.reward_training import PreferencePair, train_reward_model
+from rlhf_core.training.reward_training import train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tasks import rm_refresh, tracking
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_pairs, read_parquet, write_parquet

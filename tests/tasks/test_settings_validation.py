@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flows.cli import main
 from rlhf_core.ranges import Range, range_of
-from tasks.config import ConfigError, PipelineConfig, load_config, resolve_config
+from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks.preflight import resolve_config
 
 # (override, the range or reason the message must give)
 USED_TO_BE_ACCEPTED = [
@@ -242,7 +243,7 @@ def test_any_override_loads_or_is_refused_as_a_config_error(key: str, raw: str) 
 
 
 def test_a_password_in_the_tracking_uri_is_never_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks.tracking import keep_credentials_out
+    from tasks.tracking.setup import keep_credentials_out
     from tasks.typed_yaml import dump_config_text, flatten_for_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
@@ -258,7 +259,7 @@ def test_a_password_in_the_tracking_uri_is_never_recorded(monkeypatch: pytest.Mo
 
 
 def test_a_database_uri_with_a_password_is_refused_not_recorded() -> None:
-    from tasks.tracking import keep_credentials_out
+    from tasks.tracking.setup import keep_credentials_out
 
     config = load_config(None, "tiny", ["tracking.tracking_uri=postgresql://ann:secret@db/mlflow"])
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI instead"):

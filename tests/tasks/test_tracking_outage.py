@@ -21,7 +21,8 @@ from mlflow import MlflowClient
 
 from flows.cli import main
 from flows.commands import server_port
-from tasks.tracking import StageTracker, TrackingUnavailable
+from tasks.tracking.runs import StageTracker
+from tasks.tracking.setup import TrackingUnavailable
 
 BIN = Path(sys.executable).parent
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig, RewardShapingConfig
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.ppo.aggregation import Normaliser, agg_loss
 from rlhf_core.ppo.kl import kl_estimate
 from rlhf_core.ppo.losses import policy_loss
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import build_experience
-from rlhf_core.training.rollout import Rollout
 
 # ---------------------------------------------------------------------------------------------- KL clamps
 

@@ -15,7 +15,7 @@ from rlhf_core.evaluation.annotators import (PerPairAnnotator, ReplyPair, Reward
                                              sample_reply_pairs)
 from rlhf_core.models.roles import sequence_scores
 from rlhf_core.models.text import encode_pair
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -45,8 +45,8 @@ def test_comments_docstrings_and_layout_change_no_stage_key(checkout: Path):
 
 
 def test_a_code_edit_reruns_exactly_the_stages_that_reach_it(checkout: Path):
-    """best-of-N's selection code is reached by the best-of-n stage alone; the KL estimators by every stage today
-    (through the config and io modules); a stage's own module by that stage alone."""
+    """best-of-N's selection code is reached by the best-of-n stage alone; the KL estimators by every stage
+    (the config names them); a stage's own module by that stage alone."""
     before = versions(checkout)
     reach = {stage for stage in STAGES
              if "rlhf_core.evaluation.best_of_n" in closure(checkout, f"tasks.{stage}", CODE_PACKAGES)}
@@ -62,15 +62,35 @@ def test_a_code_edit_reruns_exactly_the_stages_that_reach_it(checkout: Path):
     assert changed == {s for s in STAGES if "rlhf_core.ppo.kl" in closure(checkout, f"tasks.{s}", CODE_PACKAGES)}
 
 
+def test_an_edit_to_the_ppo_losses_reruns_the_training_stages_and_not_data_prep_or_sft(checkout: Path):
+    """The clipped losses and the Bradley-Terry loss are run by reward-model training, PPO and the refresh; the stages
+    downstream of those take a new key through their inputs. Data-prep, SFT, DPO, best-of-N and held-out evaluation
+    run none of it and keep their code version."""
+    before = versions(checkout)
+    edit(checkout / "rlhf_core/ppo/losses.py", "\ndef ", "\nSENTINEL = 1\n\n\ndef ")
+    after = versions(checkout)
+    assert {stage for stage in STAGES if after[stage] != before[stage]} == {"reward_model", "ppo_iteration",
+                                                                             "rm_refresh"}
+
+
+def test_a_docstring_naming_a_module_adds_nothing_to_the_closure(checkout: Path):
+    (checkout / "tasks/quiet_stage.py").write_text(
+        '"""Runs like ``tasks.distributed_train`` would, but in process."""\n\n'
+        'def compute():\n    """See \'rlhf_core.training.ppo_loop\'."""\n    return 1\n', encoding="utf-8")
+    assert imported_modules(checkout, "tasks.quiet_stage", CODE_PACKAGES) == set()
+
+
 def test_imports_inside_functions_and_modules_named_in_strings_count(checkout: Path):
     """A lazy import in a function body is an import; a module a stage starts by name (``python -m``) or a package
     exports lazily (``importlib``) is named by a string, and counts too."""
     (checkout / "tasks/lazy_stage.py").write_text(
         "def compute():\n    from rlhf_core.ppo.advantages import gae\n    return gae\n\n"
-        "WORKER = ['-m', 'tasks.distributed_train']\n", encoding="utf-8")
+        "WORKER = ['-m', 'tasks.distributed_train']\n"
+        "def roles():\n    import importlib\n    return importlib.import_module('rlhf_core.models.roles')\n",
+        encoding="utf-8")
     found = imported_modules(checkout, "tasks.lazy_stage", CODE_PACKAGES)
-    assert {"rlhf_core", "rlhf_core.ppo", "rlhf_core.ppo.advantages", "tasks", "tasks.distributed_train"} <= found
-    assert "rlhf_core.models.roles" in imported_modules(checkout, "rlhf_core.models", CODE_PACKAGES)  # lazy exports
+    assert {"rlhf_core", "rlhf_core.ppo", "rlhf_core.ppo.advantages", "tasks", "tasks.distributed_train",
+            "rlhf_core.models", "rlhf_core.models.roles"} <= found
 
 
 def test_the_pipeline_keys_come_from_each_stages_module():

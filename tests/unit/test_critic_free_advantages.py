@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig
+from rlhf_core.models.sequences import Rollout
 from rlhf_core.ppo.advantages import baseline_scores, returns_to_go
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import build_experience
-from rlhf_core.training.rollout import Rollout
 
 
 def test_grpo_divides_by_the_groups_sample_std() -> None:

@@ -208,7 +208,7 @@ def test_sft_demonstrations_are_imperfect_and_spread_out() -> None:
 
 def test_gold_judged_pairs_follow_gold_and_drop_ties() -> None:
     from rlhf_core.evaluation.demo_eval import gold_judged
-    from rlhf_core.training.reward_training import PreferencePair
+    from rlhf_core.data.records import PreferencePair
 
     prompt = render_prompt("My order #12345 arrived damaged.")
     good = "Hello! I'm sorry about this. I have shipped a new package to you. Take care!"

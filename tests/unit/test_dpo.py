@@ -9,16 +9,9 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.training.dpo import (
-    DPOConfig,
-    batch_plan,
-    dpo_step,
-    encode_preferences,
-    learning_rate_at,
-    measure_logprobs,
-    pair_logprobs,
-    train_dpo,
-)
+from rlhf_core.training.dpo import (batch_plan, dpo_step, encode_preferences, learning_rate_at, measure_logprobs,
+                                    pair_logprobs, train_dpo)
+from rlhf_core.config import DPOConfig
 from rlhf_core.training.dpo_losses import (
     implicit_rewards,
     ipo_loss,
@@ -28,7 +21,7 @@ from rlhf_core.training.dpo_losses import (
     sigmoid_loss,
 )
 from rlhf_core.training.guards import NonFiniteError
-from rlhf_core.training.reward_training import PreferencePair
+from rlhf_core.data.records import PreferencePair
 from rlhf_core.training.sft import IGNORE_INDEX
 from tests.tiny_models import gpt2_config, word_tokenizer
 

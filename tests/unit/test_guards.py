@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_core.training.guards import (NonFiniteError, refuse_non_finite, require_finite, require_finite_metrics,
-                                       require_finite_weights)
-from rlhf_core.training.strategy import TrainableGroup, local_strategy
+from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_metrics, require_finite_weights
+from rlhf_core.training.strategy import TrainableGroup, local_strategy, refuse_non_finite
 
 
 def _strategy(model: nn.Module):

@@ -1,7 +1,9 @@
 """One-way imports, checked on the AST: flows -> tasks -> rlhf_core, and nothing imports infra.
 
 rlhf_core is pure (stdlib, numpy, torch, transformers): no prefect, mlflow, pandas, pyarrow, and no
-tasks/flows. deepspeed and peft are allowed only inside the adapter modules named in ADAPTERS.
+tasks/flows. deepspeed and peft are allowed only inside the adapter modules named in ADAPTERS. Inside rlhf_core a
+module imports only from its own part or the parts before it in CORE_ORDER, and no two files of any layer import
+each other, directly or round a longer circle; no module exports names lazily (a module ``__getattr__``).
 The checker also sees imports nested in functions, ``if TYPE_CHECKING:`` blocks, relative imports and
 ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name.
 """
@@ -30,6 +32,10 @@ STAGE_MODULES = frozenset({"tasks.data_prep", "tasks.sft", "tasks.reward_model",
 TRACKING_ADAPTER = "tasks/tracking/"
 #: Never unpickle anything: records are JSON, checkpoints safetensors + JSON.
 PICKLERS = frozenset({"pickle", "cloudpickle", "dill", "joblib"})
+#: The parts of rlhf_core in import order: each imports only itself and the parts before it.
+CORE_ORDER = ("rlhf_core.ranges", "rlhf_core.compat", "rlhf_core.ppo", "rlhf_core.config", "rlhf_core.data",
+              "rlhf_core.demo", "rlhf_core.models", "rlhf_core.training", "rlhf_core.distributed",
+              "rlhf_core.evaluation")
 
 
 @dataclass(frozen=True)
@@ -228,3 +234,123 @@ def test_failure_message_lists_every_violation():
     assert message.splitlines()[0].startswith("2 import(s) break")
     assert "rlhf_core/bad.py:2: imports 'mlflow'" in message
     assert "rlhf_core/bad.py:3: imports 'pandas'" in message
+
+
+# --- no circles, and rlhf_core's parts in one order ----------------------------------------------------------
+
+
+def file_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules among ``sources`` (``{rel_path: source}``) it imports by name, anywhere in the file.
+    ``from package import name`` is an import of ``package.name`` where that is a module, else of the package; the
+    packages Python runs on the way to a module are not counted (they are not a choice of the importing file)."""
+    modules = {module_name(rel)[0]: rel for rel in sources}
+    graph: dict[str, set[str]] = {}
+    for module, rel in modules.items():
+        tree = ast.parse(sources[rel], filename=rel)
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or "" if node.level == 0 else resolve_relative(
+                    module, rel.endswith("__init__.py"), node.level, node.module)
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        found |= {name for _, name in imported_modules(tree, rel) if name in modules} - {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+        graph[module] = {name for name in found if name in modules and name != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other round a circle (strongly connected, two or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                group.append(stack.pop())
+                if group[-1] == module:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def core_part(module: str) -> int | None:
+    """The position in CORE_ORDER of the part ``module`` belongs to (None outside rlhf_core's parts)."""
+    return next((i for i, part in enumerate(CORE_ORDER) if module == part or module.startswith(part + ".")), None)
+
+
+def order_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from an rlhf_core part to one after it in CORE_ORDER."""
+    breaks = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            here, there = core_part(module), core_part(other)
+            if here is not None and there is not None and there > here:
+                breaks.append(f"{module} imports {other}: {CORE_ORDER[here]} may import only "
+                              f"{', '.join(CORE_ORDER[: here + 1])}")
+    return breaks
+
+
+def lazy_exports(sources: dict[str, str]) -> list[str]:
+    """Modules that define a module-level ``__getattr__`` (names exported lazily hide what imports what)."""
+    return sorted(rel for rel, source in sources.items() if any(
+        isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in ast.parse(source).body))
+
+
+def layer_sources() -> dict[str, str]:
+    return {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in layer_files()}
+
+
+def test_no_two_files_import_each_other_round_a_circle():
+    found = circles(file_imports(layer_sources()))
+    assert not found, "import circles (move what both need to a module below them):\n" + "\n".join(
+        " <-> ".join(group) for group in found)
+
+
+def test_rlhf_core_parts_import_only_the_parts_before_them():
+    assert not order_breaks(file_imports(layer_sources())), "\n".join(order_breaks(file_imports(layer_sources())))
+    assert {module.split(".")[1] for module in file_imports(layer_sources()) if module.count(".") >= 1
+            and module.startswith("rlhf_core.")} == {part.split(".")[1] for part in CORE_ORDER}, "CORE_ORDER names every part"
+
+
+def test_no_module_exports_names_lazily():
+    assert lazy_exports(layer_sources()) == []
+
+
+def test_the_circle_and_order_checks_can_fail():
+    sources = {
+        "rlhf_core/models/a.py": "from rlhf_core.training.b import f\n",
+        "rlhf_core/training/b.py": "def f():\n    from rlhf_core.models import a\n",
+        "rlhf_core/training/__init__.py": "",
+        "rlhf_core/models/__init__.py": "",
+        "tasks/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tasks.y import Y\n",
+        "tasks/y.py": "from tasks import x\n",
+        "tasks/__init__.py": "",
+        "tasks/z.py": "from tasks.x import X\n",  # imports into a circle, is not part of it
+        "rlhf_core/ppo/__init__.py": "def __getattr__(name):\n    return name\n",
+    }
+    graph = file_imports(sources)
+    assert circles(graph) == [["rlhf_core.models.a", "rlhf_core.training.b"], ["tasks.x", "tasks.y"]]
+    assert order_breaks(graph) == ["rlhf_core.models.a imports rlhf_core.training.b: rlhf_core.models may import "
+                                   "only " + ", ".join(CORE_ORDER[: CORE_ORDER.index("rlhf_core.models") + 1])]
+    assert lazy_exports(sources) == ["rlhf_core/ppo/__init__.py"]
+    # importing a submodule through its package is an import of the submodule, not a circle with the package
+    assert circles(file_imports({"rlhf_core/demo/__init__.py": "from rlhf_core.demo.gold import g\n",
+                                 "rlhf_core/demo/gold.py": "from rlhf_core.demo import phrases\n",
+                                 "rlhf_core/demo/phrases.py": ""})) == []

@@ -1,7 +1,7 @@
 """One tie rule for every pairwise accuracy: a tie (s_chosen == s_rejected) is half right.
 
 Reward-model training, its evaluation, the proxy/held-out agreement and the policy win rates all count through
-``rlhf_core.evaluation.metrics.pairwise_wins``; hand-computed numbers with ties, and a loop reference.
+``rlhf_core.ppo.pairwise.pairwise_wins``; hand-computed numbers with ties, and a loop reference.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import torch
 from transformers import GPT2ForSequenceClassification
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.evaluation.metrics import pairwise_accuracy, pairwise_agreement, pairwise_wins, win_rate
-from rlhf_core.training.reward_training import PreferencePair, encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.evaluation.metrics import pairwise_agreement, win_rate
+from rlhf_core.ppo.pairwise import pairwise_accuracy, pairwise_wins
+from rlhf_core.training.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
+from rlhf_core.data.records import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 

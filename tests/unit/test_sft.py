@@ -23,16 +23,9 @@ from rlhf_core.models.lm import (
     tiny_gpt_config,
 )
 from rlhf_core.models.tokenizer import train_bpe_tokenizer
-from rlhf_core.training.sft import (
-    IGNORE_INDEX,
-    SFTConfig,
-    SFTResult,
-    collate,
-    encode_examples,
-    eval_loss,
-    reply_token_loss,
-    train_sft,
-)
+from rlhf_core.training.sft import (IGNORE_INDEX, SFTResult, collate, encode_examples, eval_loss, reply_token_loss,
+                                    train_sft)
+from rlhf_core.config import SFTConfig
 from rlhf_core.training.sft import _train_step  # the accumulation logic itself is what is tested
 
 pytestmark = pytest.mark.usefixtures("single_thread")

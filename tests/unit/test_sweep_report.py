@@ -98,7 +98,7 @@ def test_a_sweeps_runs_keep_every_iterations_resume_state_unless_the_sweep_says_
     sibling publishing its iteration 3 must not prune the state another run continues from. Retention is not part
     of an artifact key: the runs still share every cached stage with plain runs of the same settings."""
     from tasks import ppo_iteration
-    from tasks.config import resolve_config
+    from tasks.preflight import resolve_config
     from tasks.run_store.keys import canonical
 
     grid = {"ppo.kl.coef": ["0.05", "0.1"]}
