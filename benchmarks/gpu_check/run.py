@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from rlhf_core.config import PPOConfig
     from rlhf_core.training.experience import Experience, PPOModels
     from rlhf_core.training.ppo_step import PPOState
+    from rlhf_core.training.strategy import Strategy
 
 SECTIONS = ("matmul_peak", "ppo", "offload", "vocab", "decode")
 GIB = 2**30
@@ -118,10 +119,10 @@ def predicted(setup: str, scale: Scale, config: PPOConfig) -> dict[str, float]:
             "update": max(peaks["training"], peaks["optimizer_step"])}
 
 
-def measured_step(models: PPOModels, optimizer: tuple[Any, Any], config: PPOConfig, state: PPOState,
+def measured_step(models: PPOModels, strategy: Strategy, config: PPOConfig, state: PPOState,
                   batch: list[list[int]], device: torch.device) -> tuple[dict[str, Any], Experience]:
-    """One PPO step as ``ppo_step`` runs it, timed and measured in its two phases (``optimizer``: with its
-    scheduler, as :func:`rlhf_core.training.ppo_step.make_optimizer` returns them)."""
+    """One PPO step as ``ppo_step`` runs it, timed and measured in its two phases (``strategy``: as
+    :func:`rlhf_core.training.ppo_step.prepare_training` returns it)."""
     from rlhf_core.models.offload import parked
     from rlhf_core.training.experience import collect_experience
     from rlhf_core.training.ppo_step import frozen_offload, ppo_update
@@ -133,27 +134,27 @@ def measured_step(models: PPOModels, optimizer: tuple[Any, Any], config: PPOConf
                                                                 state.score_moments)
     record["experience"]["generation_seconds"] = t_generation
     with phase(device, record, "update"), parked(list(frozen_offload(models, config).moved.values())):
-        ppo_update(models, *optimizer, experience, config, kl_coef, state.generator)
+        ppo_update(models, strategy, experience, config, kl_coef, state.generator)
     return record, experience
 
 
 def ppo_setup(setup: str, scale: Scale, device: torch.device, peak_flops: float | None) -> dict[str, Any]:
     """Build one setup, run a warm-up step and a measured one; seconds, GiB, tokens/s and MFU."""
-    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 
     models = build(setup, scale, device)
     config = ppo_config(setup, scale)
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
-    ppo_step(models, optimizer, scheduler, state, prompts(scale, scale.rollout_batch, seed=1), config)
+    ppo_step(models, strategy, state, prompts(scale, scale.rollout_batch, seed=1), config)
     steady_gib = torch.cuda.memory_allocated() / GIB if device.type == "cuda" else None
-    record, experience = measured_step(models, (optimizer, scheduler), config, state,
+    record, experience = measured_step(models, strategy, config, state,
                                        prompts(scale, scale.rollout_batch, seed=2), device)
     lengths = experience.rollout.attention_mask.sum(dim=1).tolist()
     flops = model_flops(models, lengths, scale, config.ppo_epochs)
     generated = int(experience.rollout.response_mask.sum())
     out = {
-        "trainable_parameters": sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
+        "trainable_parameters": sum(p.numel() for group in strategy.optimizer.param_groups for p in group["params"]),
         "measured": {"between_steps": {"allocated_gib": steady_gib}, **record},
         "predicted_gib": predicted(setup, scale, config),
         "generated_tokens_per_s": generated / record["experience"]["generation_seconds"],
@@ -161,7 +162,7 @@ def ppo_setup(setup: str, scale: Scale, device: torch.device, peak_flops: float 
         "training_flops_per_s": flops / record["update"]["seconds"],
     }
     out["training_mfu"] = out["training_flops_per_s"] / peak_flops if peak_flops else None
-    del models, optimizer, scheduler, state, experience
+    del models, strategy, state, experience
     _free(device)
     return out
 
@@ -189,23 +190,23 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _offload_runs(scale: Scale, device: torch.device) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
-    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 
     runs: dict[str, Any] = {}
     finals: dict[str, list[torch.Tensor]] = {}
     for name, parked_frozen in (("resident", False), ("resident_again", False), ("parked", True)):
         models = build("full_critic", scale, device)
         config = ppo_config("full_critic", scale, offload_frozen=parked_frozen)
-        optimizer, scheduler = make_optimizer(models, config)
+        models, strategy = prepare_training(models, config)
         state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
-        ppo_step(models, optimizer, scheduler, state, prompts(scale, scale.rollout_batch, seed=1), config)
-        record, _ = measured_step(models, (optimizer, scheduler), config, state,
+        ppo_step(models, strategy, state, prompts(scale, scale.rollout_batch, seed=1), config)
+        record, _ = measured_step(models, strategy, config, state,
                                   prompts(scale, scale.rollout_batch, seed=2), device)
         homes = {name: str(next(module.parameters()).device)
                  for name, module in (("reference", models.reference), ("reward model", models.scorer.model))}
         runs[name] = {"update": record["update"], "devices_after": homes}
         finals[name] = [p.detach().cpu() for p in (*models.policy.parameters(), *models.critic.parameters())]
-        del models, optimizer, scheduler, state
+        del models, strategy, state
         _free(device)
     return runs, finals
 

@@ -26,7 +26,7 @@ from rlhf_core.models.lora import LoRACritic, lora_policy
 from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, freeze, make_reference, sequence_scores
 from rlhf_core.models.sequences import Rollout
 from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 
 SETUPS = ("full", "lora_head", "lora_critic", "critic_free")
 
@@ -109,12 +109,12 @@ def run(setup: str, size: dict[str, int], ppo: dict[str, int], lora_rank: int) -
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(ppo["prompt_tokens"] // 2,
                                                                            ppo["prompt_tokens"] - 1))]
                for _ in range(config.prompts_per_update)]
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     started = time.perf_counter()
     response_tokens = 0
     for _ in range(ppo["steps"]):
-        stats = ppo_step(models, optimizer, scheduler, state, prompts, config)
+        stats = ppo_step(models, strategy, state, prompts, config)
         response_tokens += int(stats.rollout.response_length_mean * config.rollout_batch_size)
     return {
         "setup": setup,
@@ -122,7 +122,7 @@ def run(setup: str, size: dict[str, int], ppo: dict[str, int], lora_rank: int) -
         "rss_after_imports_mib": rss_after_imports,
         "rss_after_build_mib": rss_after_build,
         "analytic_bytes": analytic_bytes(models),
-        "measured_optimizer_state_bytes": measured_optimizer_bytes(optimizer),
+        "measured_optimizer_state_bytes": measured_optimizer_bytes(strategy.optimizer),
         "response_tokens": response_tokens,
         "step_s": (time.perf_counter() - started) / ppo["steps"],
         "torch_threads": torch.get_num_threads(),

@@ -85,7 +85,7 @@ def measure_training(spec: FixtureSpec, s: Settings, updates: int) -> dict[str, 
     from rlhf_core.models.roles import Critic, load_policy, load_reward_model, make_reference
     from rlhf_core.models.scoring import RewardModelScorer
     from rlhf_core.training.experience import PPOModels, collect_experience
-    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_update
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_update, prepare_training
 
     fixture = build_fixture(spec)
     tokenizer = fixture.tokenizer()
@@ -96,7 +96,7 @@ def measure_training(spec: FixtureSpec, s: Settings, updates: int) -> dict[str, 
     models = PPOModels(policy, make_reference(policy), scorer, (tokenizer.eos_token_id,), tokenizer.pad_token_id,
                        critic=critic)
     config = ours_config(s, seed=0)
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     n_policy = matmul_weights(policy, policy.get_output_embeddings())
     n_critic = matmul_weights(critic.model, critic.model.score)
@@ -107,7 +107,7 @@ def measure_training(spec: FixtureSpec, s: Settings, updates: int) -> dict[str, 
         experience, _, _, _ = collect_experience(models, batch, config, s.kl_coef, state.generator,
                                                  state.score_moments)
         started = time.perf_counter()
-        ppo_update(models, optimizer, scheduler, experience, config, s.kl_coef, state.generator)
+        ppo_update(models, strategy, experience, config, s.kl_coef, state.generator)
         seconds = time.perf_counter() - started
         lengths = experience.rollout.attention_mask.sum(dim=1).tolist()
         flops = sum(training_flops(lengths, n, spec.n_layer, spec.n_embd, s.ppo_epochs) for n in (n_policy, n_critic))

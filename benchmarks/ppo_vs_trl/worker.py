@@ -61,7 +61,7 @@ def run_ours(s: Settings, fixture: Fixture, seed: int) -> dict[str, Any]:
     from rlhf_core.models.roles import Critic, load_policy, load_reward_model, make_reference
     from rlhf_core.models.scoring import RewardModelScorer, WeightedSum
     from rlhf_core.training.experience import PPOModels
-    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+    from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 
     torch.manual_seed(seed)
     tokenizer = fixture.tokenizer()
@@ -73,13 +73,13 @@ def run_ours(s: Settings, fixture: Fixture, seed: int) -> dict[str, Any]:
     models = PPOModels(policy, make_reference(policy), scorer, (tokenizer.eos_token_id,), tokenizer.pad_token_id,
                        critic=critic)
     config = ours_config(s, seed)
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(seed))
     loaded_rss = rss_mib()
     records = []
     for prompts in prompt_batches(fixture, s):
         started = time.perf_counter()
-        stats = ppo_step(models, optimizer, scheduler, state, prompts, config)
+        stats = ppo_step(models, strategy, state, prompts, config)
         total = time.perf_counter() - started
         t = stats.time
         records.append({

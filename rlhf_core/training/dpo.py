@@ -37,8 +37,8 @@ from rlhf_core.models.tokenizer import check_stop_and_pad
 from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
-from rlhf_core.training.sft import (IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples,
-                                   scheduled_learning_rate, shuffled_batches)
+from rlhf_core.training.sft import IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples, shuffled_batches
+from rlhf_core.training.strategy import scheduled_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def batch_plan(n_pairs: int, config: DPOConfig) -> list[list[int]]:
 
 def learning_rate_at(config: DPOConfig, step: int, total_steps: int) -> float:
     """Learning rate of 1-based ``step``: linear warmup, then constant or linear decay towards 0 at the last step (the
-    schedule SFT uses: :func:`rlhf_core.training.sft.scheduled_learning_rate`)."""
+    schedule of every loop: :func:`rlhf_core.training.strategy.scheduled_learning_rate`)."""
     return scheduled_learning_rate(config.learning_rate, step - 1, config.warmup_steps, config.lr_schedule,
                                    total_steps)
 

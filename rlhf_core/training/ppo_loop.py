@@ -22,7 +22,7 @@ from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.guards import NonFiniteError, require_finite_metrics, require_finite_weights
 from rlhf_core.training.ppo_step import PPOState, frozen_offload, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.training.sampler import PromptSampler
-from rlhf_core.training.strategy import LocalStrategy, StrategyFactory
+from rlhf_core.training.strategy import StrategyFactory
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,6 @@ def train_ppo(
     models, strategy = prepare_training(models, config, make_strategy)
     if config.offload_frozen:
         log.info("ppo.offload_frozen: %s", frozen_offload(models, config).describe())
-    # A LoRA reference refresh restarts the adapter's moments in the torch optimizer (one process only).
-    optimizer = strategy.optimizer if isinstance(strategy, LocalStrategy) else None
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(config.seed))
     sampler = PromptSampler(len(prompts), config.prompts_per_update, config.seed)
     result = PPORunResult()
@@ -105,7 +103,7 @@ def train_ppo(
         batch = [prompts[i] for i in sampler.next_batch()]
         number = state.step + 1
         try:
-            stats = ppo_step(models, optimizer, None, state, batch, config, strategy)
+            stats = ppo_step(models, strategy, state, batch, config)
             metrics = stats.to_metrics()
             require_finite_metrics(metrics, FINITE_METRICS)
             require_finite_weights(_modules(models, config))

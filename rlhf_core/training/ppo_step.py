@@ -39,9 +39,9 @@ from rlhf_core.training.strategy import (
     StrategyFactory,
     TrainableGroup,
     gather_scored_rollouts,
-    local_optimizer,
     local_strategy,
     refuse_non_finite,
+    scheduled_learning_rate,
     shard,
 )
 
@@ -74,26 +74,12 @@ def trainable_groups(models: PPOModels, config: PPOConfig) -> list[TrainableGrou
 
 
 def lr_lambda(config: PPOConfig) -> Callable[[int], float]:
-    """Learning-rate factor per optimizer step: linear warm-up, then constant or linear decay to 0."""
+    """Learning-rate factor per optimizer step (:func:`rlhf_core.training.strategy.scheduled_learning_rate`):
+    linear warm-up, then constant or linear decay to 0 over every optimizer step of the run."""
     minibatches = config.rollout_batch_size // config.mini_batch_size
     total = max(1, config.total_updates * config.ppo_epochs * minibatches)
-    warmup = config.warmup_steps
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if config.lr_schedule == "linear":
-            return max(0.0, 1.0 - (step - warmup) / max(1, total - warmup))
-        return 1.0
-
-    return factor
-
-
-def make_optimizer(
-    models: PPOModels, config: PPOConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with two parameter groups (policy, value model) and a constant or linear schedule."""
-    return local_optimizer(trainable_groups(models, config), config.weight_decay, lr_lambda(config))
+    return functools.partial(scheduled_learning_rate, 1.0, warmup_steps=config.warmup_steps,
+                             lr_schedule=config.lr_schedule, total_steps=total)
 
 
 def prepare_training(
@@ -121,17 +107,15 @@ def _with_trained(models: PPOModels, policy: torch.nn.Module, value: torch.nn.Mo
 
 def ppo_step(
     models: PPOModels,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    strategy: Strategy,
     state: PPOState,
     prompts: Sequence[Sequence[int]],
     config: PPOConfig,
-    strategy: Strategy | None = None,
 ) -> PPOStats:
     """One PPO iteration on a batch of tokenized prompts (``config.prompts_per_update`` of them, each sampled
     ``config.samples_per_prompt`` times: ``config.rollout_batch_size`` rollouts, a prompt's replies side by side).
 
-    ``strategy`` applies the gradients instead of ``optimizer`` / ``scheduler`` (see :func:`prepare_training`).
+    ``strategy`` applies the gradients (:func:`prepare_training` builds it and the models to train with).
     Data-parallel, every rank passes the same prompts, generates and scores its contiguous share with its own
     sampling generator, and then holds the whole scored batch (advantages are whitened over all of it).
     With ``config.offload_frozen`` the frozen networks of :func:`frozen_offload` wait in host memory while
@@ -142,7 +126,6 @@ def ppo_step(
         raise ValueError(f"ppo_step got {len(prompts)} prompts; it takes ppo.rollout_batch_size / "
                          f"ppo.samples_per_prompt = {config.prompts_per_update}")
     prompts = [prompt for prompt in prompts for _ in range(config.samples_per_prompt)]
-    strategy = _local_if_none(strategy, optimizer, scheduler, config)
     kl_coef = state.kl_controller.coef
     gather = None
     if strategy.world_size > 1:
@@ -158,13 +141,12 @@ def ppo_step(
     started = time.monotonic()
     train_policy = state.step >= config.critic_warmup_updates  # ppo.critic_warmup_updates: the value model alone
     with parked(list(frozen_offload(models, config).moved.values())):  # ppo.offload_frozen
-        update_stats = ppo_update(models, optimizer, scheduler, experience, config, kl_coef, state.generator,
-                                  strategy, train_policy)
+        update_stats = ppo_update(models, strategy, experience, config, kl_coef, state.generator, train_policy)
     t_train = time.monotonic() - started
     state.kl_controller.update(rollout_stats.kl_mean, config.rollout_batch_size)
     state.step += 1
     if config.ref_refresh_every and state.step % config.ref_refresh_every == 0:
-        refresh_reference(models, optimizer, state.step, strategy)
+        refresh_reference(models, strategy, state.step)
     return PPOStats(state.step, rollout_stats, update_stats, TimeStats(t_gen, t_score, t_train))
 
 
@@ -177,43 +159,25 @@ def frozen_offload(models: PPOModels, config: PPOConfig) -> OffloadPlan:
     return offload_plan(frozen, [models.policy, models.value_model])
 
 
-def refresh_reference(
-    models: PPOModels, optimizer: torch.optim.Optimizer | None, step: int, strategy: Strategy | None = None
-) -> None:
+def refresh_reference(models: PPOModels, strategy: Strategy, step: int) -> None:
     """The reference becomes the current policy: a weight copy, or with LoRA (reference = adapter disabled)
     the adapter merged into the shared base weights and restarted."""
     if isinstance(models.reference, AdapterDisabled):
-        if optimizer is None:
+        if not isinstance(strategy, LocalStrategy):
             raise ValueError("a LoRA reference refresh restarts the adapter's torch optimizer moments, which "
                              "DeepSpeed keeps to itself: set ppo.ref_refresh_every=0 or train in one process")
-        models.reference.refresh(optimizer, seed=step)
+        models.reference.refresh(strategy.optimizer, seed=step)
     else:
-        state = strategy.full_state_dict(models.policy) if strategy is not None else models.policy.state_dict()
-        models.reference.load_state_dict(state)
-
-
-def _local_if_none(
-    strategy: Strategy | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    config: PPOConfig,
-) -> Strategy:
-    if strategy is not None:
-        return strategy
-    if optimizer is None:
-        raise ValueError("PPO needs an optimizer (and scheduler) or a strategy to apply its gradients")
-    return LocalStrategy(optimizer, scheduler, config.max_grad_norm)
+        models.reference.load_state_dict(strategy.full_state_dict(models.policy))
 
 
 def ppo_update(
     models: PPOModels,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    strategy: Strategy,
     experience: Experience,
     config: PPOConfig,
     kl_coef: float,
     generator: torch.Generator,
-    strategy: Strategy | None = None,
     train_policy: bool = True,
 ) -> UpdateStats:
     """``ppo_epochs`` shuffled passes of mini-batches; each mini-batch accumulates micro-batch gradients.
@@ -228,7 +192,6 @@ def ppo_update(
     gradients over ranks, so each rank's share of the sum is scaled by the number of ranks. Micro-batches hold at
     most ``ppo.micro_batch_size`` rollouts and ``ppo.max_tokens_per_forward`` tokens (:func:`training_micro_batches`).
     """
-    strategy = _local_if_none(strategy, optimizer, scheduler, config)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(models.policy)
         if models.critic is not None:

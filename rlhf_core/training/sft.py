@@ -24,6 +24,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_stop_and_pad
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
+from rlhf_core.training.strategy import scheduled_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -238,16 +239,6 @@ def shuffled_batches(n_items: int, epochs: int, batch_size: int, seed: int) -> l
         order = torch.randperm(n_items, generator=shuffler).tolist()
         plan += [order[start:start + batch_size] for start in range(0, n_items, batch_size)]
     return plan
-
-
-def scheduled_learning_rate(peak: float, step: int, warmup_steps: int, lr_schedule: str, total_steps: int) -> float:
-    """Learning rate at 0-based optimizer ``step``: linear warmup to ``peak``, then constant ('constant') or a
-    linear decay towards 0 at the last step ('linear'). ``peak=1.0`` gives the multiplier (SFT's LambdaLR)."""
-    if step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
-    if lr_schedule == "constant":
-        return peak
-    return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
 def _train_step(

@@ -104,6 +104,17 @@ class Strategy(Protocol):
         """Restore what :meth:`save_checkpoint` wrote, in place; return the JSON state."""
 
 
+def scheduled_learning_rate(peak: float, step: int, warmup_steps: int, lr_schedule: str, total_steps: int) -> float:
+    """Learning rate at 0-based optimizer ``step``: linear warmup to ``peak``, then constant ('constant') or a
+    linear decay towards 0 at the last step ('linear'). The one schedule of every training loop (SFT, DPO, PPO);
+    ``peak=1.0`` gives the multiplier a ``LambdaLR`` takes."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    if lr_schedule == "constant":
+        return peak
+    return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
 class StrategyFactory(Protocol):
     """Builds a strategy around the trained models (the default is :func:`local_strategy`)."""
 

@@ -19,7 +19,7 @@ from rlhf_core.models.roles import ValueHead, load_reward_model, policy_forward
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.experience import PPOModels
 from rlhf_core.training.ppo_loop import train_ppo
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.training.reward_training import encode_pairs, evaluate_reward_model, train_reward_model
 from tests.behaviour.test_reward_model_learns import planted_pairs
 from tests.tiny_models import gpt2_config
@@ -65,9 +65,9 @@ def config(**overrides) -> PPOConfig:
 
 
 def run_steps(models: PPOModels, cfg: PPOConfig, n: int) -> list:
-    optimizer, scheduler = make_optimizer(models, cfg)
+    models, strategy = prepare_training(models, cfg)
     state = PPOState(make_kl_controller(cfg), torch.Generator().manual_seed(0))
-    return [ppo_step(models, optimizer, scheduler, state, prompts(cfg.rollout_batch_size), cfg) for _ in range(n)]
+    return [ppo_step(models, strategy, state, prompts(cfg.rollout_batch_size), cfg) for _ in range(n)]
 
 
 def response_logprobs(model: torch.nn.Module) -> torch.Tensor:
@@ -80,8 +80,8 @@ def response_logprobs(model: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("value_model", ["head", "critic"])
 def test_first_ratio_is_one_and_only_adapters_and_value_model_train(value_model: str):
     models, _ = build(value_model)
-    optimizer, _ = make_optimizer(models, config())
-    policy_params = optimizer.param_groups[0]["params"]
+    _, strategy = prepare_training(models, config())
+    policy_params = strategy.optimizer.param_groups[0]["params"]
     names = {id(p): n for n, p in models.policy.named_parameters()}
     assert policy_params and all("lora_" in names[id(p)] for p in policy_params)
     n_base = sum(p.numel() for p in models.policy.parameters() if not p.requires_grad)

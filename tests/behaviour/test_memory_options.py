@@ -14,7 +14,7 @@ from rlhf_core.models.memory import autocast, enable_gradient_checkpointing, is_
 from rlhf_core.models.roles import Critic, ValueHead, disable_dropout, make_reference
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import PPOModels, collect_experience
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, micro_batch_loss, ppo_step
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, micro_batch_loss, ppo_step, prepare_training
 from rlhf_core.training.reward_training import train_reward_model
 from rlhf_core.data.records import PreferencePair
 from tests.tiny_models import gpt2_config, word_tokenizer
@@ -89,9 +89,9 @@ def test_ppo_config_switches_checkpointing_on_and_keeps_the_update():
     stats = {}
     for flag in (False, True):
         m = models()
-        optimizer, scheduler = make_optimizer(m, config(gradient_checkpointing=flag))
+        m, strategy = prepare_training(m, config(gradient_checkpointing=flag))
         state = PPOState(make_kl_controller(config()), torch.Generator().manual_seed(0))
-        stats[flag] = ppo_step(m, optimizer, scheduler, state, PROMPTS, config(gradient_checkpointing=flag))
+        stats[flag] = ppo_step(m, strategy, state, PROMPTS, config(gradient_checkpointing=flag))
         assert is_checkpointing(m.policy) is flag
     assert stats[True].update.policy_loss == pytest.approx(stats[False].update.policy_loss, abs=1e-6)
     assert stats[True].update.policy_grad_norm == pytest.approx(stats[False].update.policy_grad_norm, rel=1e-5)
@@ -168,8 +168,8 @@ def first_minibatch(cfg: PPOConfig, old_from: PPOConfig):
 def test_first_minibatch_ratio_is_one_with_autocast():
     cfg = config(autocast="bf16")
     m = models()
-    optimizer, scheduler = make_optimizer(m, cfg)
-    stats = ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(cfg), torch.Generator().manual_seed(0)),
+    m, strategy = prepare_training(m, cfg)
+    stats = ppo_step(m, strategy, PPOState(make_kl_controller(cfg), torch.Generator().manual_seed(0)),
                      PROMPTS, cfg)
     assert stats.update.ratio_mean == pytest.approx(1.0, abs=1e-7)
     assert stats.update.approx_kl < 1e-10

@@ -22,7 +22,7 @@ from rlhf_core.models.sequences import Rollout, left_pad
 from rlhf_core.models.text import encode_pair, encode_prompt, pad_id, right_pad
 from rlhf_core.models.tokenizer import resolve_special_tokens
 from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 from rlhf_core.training.reward_training import train_reward_model
 from rlhf_core.data.records import PreferencePair
 from tests.model_families import (BASE_CLASSES, DECODERS, FAMILIES, POLICY_CLASSES, REWARD_CLASSES, config,
@@ -244,12 +244,12 @@ def test_ppo_step_with_each_decoder_policy(family: str, reward: str, tmp_path: P
     config = PPOConfig(rollout_batch_size=8, mini_batch_size=8, micro_batch_size=4, ppo_epochs=1,
                        learning_rate=1e-3, value_learning_rate=1e-3,
                        generation=GenerationConfig(max_new_tokens=6, batch_size=8))
-    optimizer, scheduler = make_optimizer(models, config)
+    models, strategy = prepare_training(models, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     before = [p.detach().clone() for p in policy.parameters()]
     value_before = [p.detach().clone() for p in models.value_parameters()]
 
-    stats = ppo_step(models, optimizer, scheduler, state, [encode_prompt(tokenizer, p) for p in PPO_PROMPTS], config)
+    stats = ppo_step(models, strategy, state, [encode_prompt(tokenizer, p) for p in PPO_PROMPTS], config)
 
     for name in ("policy_loss", "value_loss", "policy_grad_norm", "value_grad_norm"):
         assert math.isfinite(getattr(stats.update, name)), name

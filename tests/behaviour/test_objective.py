@@ -13,7 +13,7 @@ from rlhf_core.ppo.aggregation import AGGREGATIONS
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import PPOModels, collect_experience
 from rlhf_core.training.ppo_loop import _modules
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step, ppo_update
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, ppo_update, prepare_training
 from rlhf_core.training.strategy import LocalStrategy
 from tests.behaviour.test_ppo_step import PROMPTS, CountSeven, models
 
@@ -31,7 +31,7 @@ def _sgd_update(m: PPOModels, experience, config: PPOConfig) -> dict[str, torch.
     """One ppo_update with plain SGD (lr 0.1): the parameters move by exactly lr x the gradient."""
     params = [p for p in m.policy.parameters() if p.requires_grad] + m.value_parameters()
     strategy = LocalStrategy(torch.optim.SGD(params, lr=0.1), None, config.max_grad_norm)
-    ppo_update(m, None, None, experience, config, 0.1, torch.Generator().manual_seed(3), strategy)
+    ppo_update(m, strategy, experience, config, 0.1, torch.Generator().manual_seed(3))
     weights = {f"policy.{k}": v.detach().clone() for k, v in m.policy.state_dict().items()}
     weights.update({f"value.{k}": v.detach().clone() for k, v in m.value_model.state_dict().items()})
     return weights
@@ -74,9 +74,9 @@ def test_kl_in_the_loss_pulls_the_policy_back_to_the_reference() -> None:
             p.add_(0.1 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
     config = _config(mini_batch_size=16, micro_batch_size=16, learning_rate=3e-3, vf_coef=0.0, entropy_coef=0.0,
                      kl=KLConfig(coef=1.0, placement="loss", estimator="k3"))
-    optimizer, scheduler = make_optimizer(m, config)
+    m, strategy = prepare_training(m, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
-    kls = [ppo_step(m, optimizer, scheduler, state, PROMPTS, config).rollout.kl_k3_mean for _ in range(12)]
+    kls = [ppo_step(m, strategy, state, PROMPTS, config).rollout.kl_k3_mean for _ in range(12)]
     assert kls[0] > 0.2
     assert kls[-1] < 0.5 * kls[0], kls
 
@@ -88,11 +88,11 @@ def test_critic_free_estimators_train_without_a_value_model(estimator: str) -> N
     m = PPOModels(m.policy, m.reference, CountSeven(), m.stop_token_ids, m.pad_token_id)
     assert m.value_model is None
     config = _config(advantage=estimator, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=4)
-    optimizer, scheduler = make_optimizer(m, config)
-    assert len(optimizer.param_groups) == 1  # the policy only
+    m, strategy = prepare_training(m, config)
+    assert len(strategy.optimizer.param_groups) == 1  # the policy only
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in m.policy.state_dict().items()}
-    stats = ppo_step(m, optimizer, scheduler, state, PROMPTS[:4], config)
+    stats = ppo_step(m, strategy, state, PROMPTS[:4], config)
     assert stats.update.value_loss == 0.0 and stats.update.value_grad_norm == 0.0
     assert stats.update.policy_grad_norm > 0
     assert any(not torch.equal(before[k], v) for k, v in m.policy.state_dict().items())
@@ -112,15 +112,15 @@ def test_replies_to_one_prompt_sit_side_by_side() -> None:
         return original(rollout)
 
     m.scorer = record
-    optimizer, scheduler = make_optimizer(m, config)
-    ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(config), torch.Generator().manual_seed(0)),
+    m, strategy = prepare_training(m, config)
+    ppo_step(m, strategy, PPOState(make_kl_controller(config), torch.Generator().manual_seed(0)),
              PROMPTS[:4], config)
     queries = seen[0]
     for group in range(4):
         rows = queries[group * 4:(group + 1) * 4]
         assert all(torch.equal(rows[0], row) for row in rows)
     with pytest.raises(ValueError, match="it takes ppo.rollout_batch_size / ppo.samples_per_prompt = 4"):
-        ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(config), torch.Generator()), PROMPTS, config)
+        ppo_step(m, strategy, PPOState(make_kl_controller(config), torch.Generator()), PROMPTS, config)
 
 
 def test_a_critic_free_run_resumes_to_the_weights_of_a_straight_run(tmp_path) -> None:

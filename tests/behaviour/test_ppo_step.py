@@ -12,7 +12,7 @@ from rlhf_core.config import GenerationConfig, KLConfig, PPOConfig, RewardShapin
 from rlhf_core.models.roles import ValueHead, disable_dropout, load_policy, make_reference
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.training.experience import PPOModels, collect_experience
-from rlhf_core.training.ppo_step import PPOState, make_kl_controller, make_optimizer, ppo_step
+from rlhf_core.training.ppo_step import PPOState, make_kl_controller, ppo_step, prepare_training
 from tests.tiny_models import gpt2_config
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 24
@@ -34,9 +34,9 @@ PROMPTS = [[BOS] + [random.Random(i).randrange(3, VOCAB) for _ in range(2 + i % 
 
 def step(config: PPOConfig, m: PPOModels | None = None):
     m = m or models()
-    optimizer, scheduler = make_optimizer(m, config)
+    m, strategy = prepare_training(m, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
-    return ppo_step(m, optimizer, scheduler, state, PROMPTS, config), state
+    return ppo_step(m, strategy, state, PROMPTS, config), state
 
 
 def base(**overrides) -> PPOConfig:
@@ -111,8 +111,8 @@ def test_adaptive_controller_moves_kl_coef_and_reference_refresh_resets_kl():
 def test_wrong_prompt_count_is_refused():
     with pytest.raises(ValueError, match="rollout_batch_size"):
         m = models()
-        optimizer, scheduler = make_optimizer(m, base())
-        ppo_step(m, optimizer, scheduler, PPOState(make_kl_controller(base()), torch.Generator()), PROMPTS[:5], base())
+        m, strategy = prepare_training(m, base())
+        ppo_step(m, strategy, PPOState(make_kl_controller(base()), torch.Generator()), PROMPTS[:5], base())
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -132,16 +132,16 @@ def test_critic_warmup_trains_the_value_model_alone_then_the_policy(value_model:
         critic = Critic(GPT2ForSequenceClassification(gpt2_config(VOCAB, num_labels=1)))
         m = PPOModels(m.policy, m.reference, m.scorer, m.stop_token_ids, m.pad_token_id, critic=critic)
     config = base(critic_warmup_updates=1, ppo_epochs=2, learning_rate=1e-3, value_learning_rate=1e-3)
-    optimizer, scheduler = make_optimizer(m, config)
+    m, strategy = prepare_training(m, config)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
     policy_before, value_before = _weights(m.policy), _weights(m.value_model)
-    first = ppo_step(m, optimizer, scheduler, state, PROMPTS, config)
+    first = ppo_step(m, strategy, state, PROMPTS, config)
     assert all(torch.equal(policy_before[k], v) for k, v in _weights(m.policy).items())
     assert any(not torch.equal(value_before[k], v) for k, v in _weights(m.value_model).items())
     policy_params = set(map(id, m.policy.parameters()))
-    assert not any(id(p) in policy_params for p in optimizer.state)  # no moments, no step count for the policy
+    assert not any(id(p) in policy_params for p in strategy.optimizer.state)  # no moments, no step count for the policy
     assert first.update.critic_warmup == 1.0 and first.update.policy_grad_norm == 0.0
     assert first.update.value_grad_norm > 0
-    second = ppo_step(m, optimizer, scheduler, state, PROMPTS, config)
+    second = ppo_step(m, strategy, state, PROMPTS, config)
     assert any(not torch.equal(policy_before[k], v) for k, v in _weights(m.policy).items())
     assert second.update.critic_warmup == 0.0 and second.update.policy_grad_norm > 0

@@ -214,7 +214,7 @@ def _update_config(mode: str, budget: int | None) -> PPOConfig:
 def _sgd_ppo_update(m: PPOModels, experience, config: PPOConfig) -> tuple[dict[str, torch.Tensor], UpdateStats]:
     params = [p for p in m.policy.parameters() if p.requires_grad] + m.value_parameters()
     strategy = LocalStrategy(torch.optim.SGD(params, lr=0.1), None, config.max_grad_norm)
-    stats = ppo_update(m, None, None, experience, config, 0.1, torch.Generator().manual_seed(3), strategy)
+    stats = ppo_update(m, strategy, experience, config, 0.1, torch.Generator().manual_seed(3))
     weights = {f"policy.{k}": v.detach().clone() for k, v in m.policy.state_dict().items()}
     weights.update({f"value.{k}": v.detach().clone() for k, v in m.value_model.state_dict().items()})
     return weights, stats

@@ -180,8 +180,7 @@ def update_ppo(make_strategy: StrategyFactory | None, value_model: str, folder: 
     experience: Experience = torch.load(folder / f"experience_{value_model}.pt", weights_only=False)
     start = ppo_models(value_model, make_strategy, folder if load else None)
     models, strategy = prepare_training(start, config, make_strategy)
-    stats = ppo_update(models, None, None, experience, config, KL_COEF, torch.Generator().manual_seed(5), strategy,
-                       train_policy)
+    stats = ppo_update(models, strategy, experience, config, KL_COEF, torch.Generator().manual_seed(5), train_policy)
     return {"stats": stats, "policy": _state(strategy, models.policy), "value": _state(strategy, models.value_model)}
 
 
@@ -192,7 +191,7 @@ def sharded_ppo_step(make_strategy: StrategyFactory, value_model: str, folder: P
                        generation=GenerationConfig(max_new_tokens=6, temperature=0.7, batch_size=8))
     models, strategy = prepare_training(ppo_models(value_model, make_strategy, folder), config, make_strategy)
     state = PPOState(make_kl_controller(config), torch.Generator().manual_seed(0))
-    stats = ppo_step(models, None, None, state, PROMPTS, config, strategy)
+    stats = ppo_step(models, strategy, state, PROMPTS, config)
     return {"stats": stats, "generator": state.generator.get_state(), "policy": _state(strategy, models.policy)}
 
 
