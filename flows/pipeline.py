@@ -34,7 +34,7 @@ from tasks.preflight import resolve_config
 from tasks.run_store import ActiveRun, RunStore, new_run_id
 from tasks.run_store.keys import code_version
 from tasks.runtime import ModelInput
-from tasks.stage import Runner
+from tasks.stage import RunContext
 from tasks.tracking.runs import log_file, pipeline_run
 from tasks.tracking.setup import configure_tracking, keep_credentials_out
 from tasks.typed_yaml import dump_config_text, flatten_for_params
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = ".rlhf_state"
 
 
-def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
+def run_stages(config: PipelineConfig, runner: RunContext) -> Outcome:
     """Every stage of the pipeline, each a Prefect task run named by its label (and failed by Prefect when it
     runs past ``orchestration.stage_timeout_minutes``)."""
     timed = _timed(config)
@@ -87,7 +87,7 @@ def run_stages(config: PipelineConfig, runner: Runner) -> Outcome:
     return outcome
 
 
-def run_dpo(config: PipelineConfig, runner: Runner, outcome: Outcome, reference: ModelInput, proxy: ModelInput,
+def run_dpo(config: PipelineConfig, runner: RunContext, outcome: Outcome, reference: ModelInput, proxy: ModelInput,
             heldout: ModelInput) -> Outcome:
     """The offline method: dpo on the reward-model training pairs, then the heldout-eval a PPO iteration's policy
     gets (as iteration 1: the hacking detector, the best-of-n baseline, promotion to champion). No rm-refresh: DPO
@@ -219,7 +219,7 @@ def execute(config: PipelineConfig, store: RunStore, run: ActiveRun) -> dict[str
         tracking.set_run_name(parent, title)  # an amended config renames it
         tracking.set_description(parent, running_markdown(run.run_id, run.record.preset, changes))
         log_file(parent, store.config_file(run.run_id))  # at the root: the compare page lists top-level files
-        outcome = run_stages(config, Runner(store, run, parent, config.tracking))
+        outcome = run_stages(config, RunContext(store, run, parent, config.tracking))
         summary = build_summary(config, outcome, run.record)
         summary.update(run_id=run.run_id, seconds=time.monotonic() - started, mlflow_run_id=parent,
                        mlflow_url=tracking.run_url(parent), preset=run.record.preset, changed=changes)

@@ -32,7 +32,6 @@ from tasks.plots import PolicyPoint, overoptimisation_curve, save_figure
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +155,8 @@ def best_of_n_figure(points: Sequence[dict[str, float | None]]) -> Figure:
     return overoptimisation_curve(policy_points, title="Best-of-N from the SFT policy, chosen by the proxy RM")
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params({**flatten_for_params(cfg), "temperature": cfg.temperature})
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
+    pub.log_params({"temperature": cfg.temperature})
     for p in result.points:
         metrics = {"best_of_n/kl": p["kl"], "best_of_n/length/mean": p["length"],
                    **{f"best_of_n/{j}/mean": p[j] for j in JUDGES if p[j] is not None}}

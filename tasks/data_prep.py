@@ -31,10 +31,9 @@ from rlhf_core.demo.tables import (EVAL_PROMPTS, RAW_PAIRS, SFT_DEMONSTRATIONS, 
                                    split_demonstrations)
 from rlhf_core.models.tokenizer import SpecialTokens
 from tasks.io import read_parquet, read_source, write_json, write_parquet
-from tasks.run_store import Artifact, LocalPath
+from tasks.run_store import LocalPath
 from tasks.run_store.keys import ModelSource
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -245,9 +244,8 @@ def _read_counts(path: Path) -> dict[str, object]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params({**flatten_for_params(cfg), "length_unit": cfg.length_unit})
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
+    pub.log_params({"length_unit": cfg.length_unit})
     pub.log_metrics(result.metrics)
     pub.log_files([result.counts, result.quarantine], "data")
     tables = {"train_pairs": (result.train_pairs, "training"), "heldout_pairs": (result.heldout_pairs, "evaluation"),

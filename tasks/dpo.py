@@ -26,7 +26,6 @@ from tasks.plots import save_figure, training_curves
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +121,8 @@ def _fit_to_model(section: DPOSection, model: PreTrainedModel) -> DPOSection:
     return section if section.max_length <= positions else replace(section, max_length=positions)
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params({**flatten_for_params(cfg), **{f"inputs.{k}": v for k, v in result.counts.items()}})
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
+    pub.log_params({**{f"inputs.{k}": v for k, v in result.counts.items()}})
     pub.log_metrics(result.metrics, step=result.steps_done)
     pub.log_files([result.curves, result.metrics_file], "dpo")
     if result.plot:

@@ -32,7 +32,6 @@ from tasks.plots import PolicyPoint, length_distribution, overoptimisation_curve
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 
@@ -275,9 +274,7 @@ def _plots(policy: ReplySet, reference: ReplySet, metrics: Mapping[str, float],
         save_figure(fig, out / name)
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params(flatten_for_params(cfg))
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
     pub.log_metrics(result.metrics, step=cfg.iteration)
     pub.set_tags({STATUS_TAG: result.status, HELDOUT_STATUS_TAG: result.heldout_status})
     pub.log_headline({k: result.metrics[k] for k in HEADLINE if k in result.metrics}, step=cfg.iteration,

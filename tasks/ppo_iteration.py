@@ -38,7 +38,6 @@ from tasks.plots import save_figure, training_curves
 from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput, Runtime
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +191,7 @@ def _plot_curves(history: list[dict[str, float]], path: Path) -> str | None:
     return path.name
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params(flatten_for_params(cfg))
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
     pub.log_metrics(result.metrics, step=result.steps_done)
     pub.log_files([result.samples, result.metrics_file], "samples")
     if result.plot:
@@ -202,7 +199,7 @@ def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
     pub.set_tags({"iteration": cfg.iteration})
     pub.register("policy", pub.names.policy_model, result.policy, usage={"generation": asdict(cfg.ppo.generation)})
     # Only once this iteration is published: a failed iteration k leaves k-1's state for its retry.
-    pub.runner.store.prune_resume_states(artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
+    pub.run.store.prune_resume_states(pub.artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
 
 
 STAGE = Stage(NAME, compute, publish, Result)

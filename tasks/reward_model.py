@@ -44,7 +44,7 @@ from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params, one_line
+from tasks.typed_yaml import one_line
 
 log = logging.getLogger(__name__)
 
@@ -367,9 +367,8 @@ def _plots(out: Path, proxy: RewardTrainingResult, heldout: RewardTrainingResult
     return [*names, SCORES_PNG]
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params({**flatten_for_params(cfg), **{f"inputs.{k}": v for k, v in result.counts.items()}})
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
+    pub.log_params({**{f"inputs.{k}": v for k, v in result.counts.items()}})
     pub.log_metrics(result.metrics)
     pub.log_files(result.plots, "plots")
     pub.log_files([result.metrics_file])

@@ -70,7 +70,6 @@ from tasks.refresh_eval import gold_judged_onpolicy
 from tasks.run_store import Artifact, LocalPath
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params
 
 log = logging.getLogger(__name__)
 
@@ -369,9 +368,7 @@ def _continue_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     return {"refresh/train_steps": float(steps), "refresh/best_epoch": float(best)}
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params(flatten_for_params(cfg))
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
     pub.log_metrics(result.metrics, step=cfg.iteration)
     pub.set_tags({"refresh.promotion": result.reason, "iteration": cfg.iteration})
     pub.log_files([result.train_pairs, result.eval_pairs, result.quarantine], "pairs")

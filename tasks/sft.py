@@ -36,7 +36,7 @@ from tasks.plots import loss_curve, save_figure
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.typed_yaml import flatten_for_params, one_line
+from tasks.typed_yaml import one_line
 
 log = logging.getLogger(__name__)
 
@@ -229,12 +229,10 @@ def _gold_report(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eva
     return report
 
 
-def publish(cfg: Config, artifact: Artifact, pub: Publication) -> None:
-    result = STAGE.result(artifact)
-    pub.log_params(flatten_for_params(cfg))
+def publish(cfg: Config, result: Result, pub: Publication) -> None:
     pub.log_metrics(result.metrics)
     pub.log_files([f for f in (result.loss_curve, result.loss_plot, result.samples, result.metrics_file) if f], "sft")
-    folder = model_input(artifact).path
+    folder = model_input(pub.artifact).path
     if Path(folder).is_dir():  # a Hugging Face id stays outside the registry
         usage = {"generation": asdict(cfg.generation)} if cfg.generation is not None else None
         pub.register("policy", pub.names.policy_model, folder, usage=usage)

@@ -7,7 +7,9 @@ A stage module (tasks/data_prep.py, tasks/sft.py, ...) defines:
     Inputs     frozen dataclass of the artifacts (``Artifact`` / ``ArtifactPart``) it reads.
     Result     dataclass of plain values: the artifact's JSON record (paths relative to the artifact folder).
     compute(cfg, inputs, ctx) -> Result     writes the artifact's files into ``ctx.out``; live metrics via ctx.tracker
-    publish(cfg, artifact, pub) -> None     this run's MLflow view: final metrics, files, registered models, aliases
+    publish(cfg, result, pub) -> None       this run's MLflow view: final metrics, files, registered models, aliases
+                                            (the config slice is logged as params before it; ``pub.artifact`` is
+                                            the artifact whose typed ``result`` it gets)
     STAGE = Stage(NAME, compute, publish, Result);  <name>_task = stage_task(STAGE, retries=...)
 
 :func:`run_stage` derives the key from (stage, Config, Inputs, code, rerun number), reuses the published artifact
@@ -31,6 +33,7 @@ from tasks.retries import retry_on_transient_io
 from tasks.run_store import ActiveRun, Artifact, RunStore, code_version, stage_key
 from tasks.tracking.registry import ModelRef
 from tasks.tracking.runs import StageTracker
+from tasks.typed_yaml import flatten_for_params
 
 if TYPE_CHECKING:
     from tasks.config import TrackingSection
@@ -73,7 +76,7 @@ class Stage(Generic[R]):
 
     name: str
     compute: Callable[[Any, Any, StageContext], R]
-    publish: Callable[[Any, Artifact, Publication], None]
+    publish: Callable[[Any, R, Publication], None]
     result_type: type[R]
 
     @property
@@ -89,8 +92,8 @@ class Stage(Generic[R]):
 
 
 @dataclass
-class Runner:
-    """This run's side of every stage: the store, the run (held), the MLflow parent run and registry names."""
+class RunContext:
+    """The run every stage of it belongs to: the store, the run (held), the MLflow parent run and registry names."""
 
     store: RunStore
     run: ActiveRun
@@ -106,11 +109,11 @@ class Runner:
 class Publication:
     """What ``publish`` may do for this run: log the artifact's results to MLflow and register its models."""
 
-    def __init__(self, runner: Runner, label: str, artifact: Artifact, mlflow_run_id: str,
+    def __init__(self, run: RunContext, label: str, artifact: Artifact, mlflow_run_id: str,
                  cached_from: str | None) -> None:
-        self.runner, self.label, self.artifact, self.mlflow_run_id = runner, label, artifact, mlflow_run_id
+        self.run, self.label, self.artifact, self.mlflow_run_id = run, label, artifact, mlflow_run_id
         self.cached_from = cached_from
-        self.names = runner.names
+        self.names = run.names
         self.models: dict[str, str] = {}
         self._curves: set[str] | None = None
 
@@ -132,15 +135,15 @@ class Publication:
     def log_headline(self, metrics: Mapping[str, float], step: int | None = None,
                      tags: Mapping[str, object] | None = None) -> None:
         """Results the pipeline's parent run carries too (its columns when runs are compared), at ``step``."""
-        tracking.log_metrics(self.runner.parent_run_id, metrics, step)
+        tracking.log_metrics(self.run.parent_run_id, metrics, step)
         if tags:
-            tracking.set_tags(self.runner.parent_run_id, {k: str(v) for k, v in tags.items()})
+            tracking.set_tags(self.run.parent_run_id, {k: str(v) for k, v in tags.items()})
 
     def log_tables(self, tables: Mapping[str, tuple[str, str]]) -> None:
         """Parquet tables of the artifact as MLflow datasets of the stage run and the parent run:
         name -> (relative path, context such as 'training')."""
         files = self.artifact.record.files
-        tracking.log_tables([self.mlflow_run_id, self.runner.parent_run_id],
+        tracking.log_tables([self.mlflow_run_id, self.run.parent_run_id],
                             {name: (self.artifact.path(relative), context, files.get(relative, {}).get("sha256", ""))
                              for name, (relative, context) in tables.items()})
 
@@ -161,11 +164,11 @@ class Publication:
         """Register a model folder (relative to the artifact, or an outside one the artifact chose) as a version
         of ``name`` for this run (idempotent), tagged with the run id, stage, artifact key, role and, for a cached
         stage, the run it came from. ``usage``: how the version's pyfunc uses it (a policy's ``generation``)."""
-        lineage = {"rlhf.run_id": self.runner.run_id, "rlhf.stage": self.label, "rlhf.role": role,
+        lineage = {"rlhf.run_id": self.run.run_id, "rlhf.stage": self.label, "rlhf.role": role,
                    "rlhf.artifact_key": self.artifact.identity(), "rlhf.produced_by": self.artifact.record.produced_by}
         if self.cached_from:
             lineage["rlhf.cached_from"] = self.cached_from
-        description = (f"{role} of rlhf run {self.runner.run_id}, stage {self.label}, artifact "
+        description = (f"{role} of rlhf run {self.run.run_id}, stage {self.label}, artifact "
                        f"{self.artifact.identity()}" + (f" (computed by run {self.cached_from})" if self.cached_from
                                                         else ""))
         path = Path(folder) if Path(folder).is_absolute() else self.artifact.path(str(folder))
@@ -194,7 +197,7 @@ class Publication:
         """The ``models:/`` URI this run registered for ``role`` from the artifact behind input ``name`` (e.g. the
         policy heldout-eval judged: the version its ppo-iteration registered); None when there is none."""
         identity = str(self.artifact.record.inputs.get(name, ""))
-        for entry in self.runner.run.record.stages.values():
+        for entry in self.run.run.record.stages.values():
             if (entry.status == "completed" and role in entry.models
                     and (identity == f"{entry.stage}/{entry.key}" or identity.startswith(f"{entry.stage}/{entry.key}/"))):
                 return entry.models[role]
@@ -207,7 +210,7 @@ class Publication:
         return ref
 
 
-def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: Runner) -> Artifact:
+def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: RunContext) -> Artifact:
     """Reuse or compute the artifact of (``stage``, ``cfg``, ``inputs``) and publish it for this run."""
     rerun = runner.run.record.rerun_of(label, stage.name)
     key = stage_key(stage.name, cfg, shallow_fields(inputs), rerun, tracking.model_identity, stage.module)
@@ -233,7 +236,7 @@ def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: Runner) -
         raise
 
 
-def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: Runner, claim: Any) -> Artifact:
+def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: RunContext, claim: Any) -> Artifact:
     entry = runner.run.stage_started(label, stage.name, key)
     log.info("%s: computing artifact %s/%s", label, stage.name, key)
     with tracking.stage_run(label, runner.parent_run_id, _tags(runner, stage, key), entry.mlflow_run_id) as mlflow_id:
@@ -249,7 +252,7 @@ def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: 
     return artifact
 
 
-def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Runner, cached_from: str | None) -> None:
+def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: RunContext, cached_from: str | None) -> None:
     entry = runner.run.stage(label)
     tags = _tags(runner, stage, artifact.key) | ({"rlhf.cached_from": cached_from} if cached_from else {})
     if cached_from:  # the parent says which stages this run reused, and from which run
@@ -262,10 +265,11 @@ def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Run
         _publish_into(stage, label, cfg, artifact, runner, mlflow_id, cached_from)
 
 
-def _publish_into(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: Runner, mlflow_id: str,
+def _publish_into(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: RunContext, mlflow_id: str,
                   cached_from: str | None) -> None:
     publication = Publication(runner, label, artifact, mlflow_id, cached_from)
-    stage.publish(cfg, artifact, publication)
+    publication.log_params(flatten_for_params(cfg))
+    stage.publish(cfg, stage.result(artifact), publication)
     runner.run.stage_update(label, status="completed", models=dict(publication.models), error=None)
 
 
@@ -274,14 +278,14 @@ def shallow_fields(inputs: Any) -> dict[str, Any]:
     return {f.name: getattr(inputs, f.name) for f in fields(inputs)}
 
 
-def _tags(runner: Runner, stage: Stage, key: str) -> dict[str, str]:
+def _tags(runner: RunContext, stage: Stage, key: str) -> dict[str, str]:
     return {"rlhf.run_id": runner.run_id, "rlhf.artifact_key": f"{stage.name}/{key}"}
 
 
 def stage_task(stage: Stage, retries: int = 1, retry_delay_seconds: float = 5) -> Task:
     """The Prefect task of ``stage``: task runs are named by label ('ppo-iteration-2'); retries only for transient
     I/O; no Prefect result persistence or caching (the run store owns results, as JSON)."""
-    def body(label: str, cfg: Any, inputs: Any, runner: Runner) -> Artifact:
+    def body(label: str, cfg: Any, inputs: Any, runner: RunContext) -> Artifact:
         return run_stage(stage, label, cfg, inputs, runner)
 
     body.__name__ = body.__qualname__ = stage.name.replace("-", "_")

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from tasks.config import TrackingSection
 from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput
-from tasks.stage import Publication, Runner, run_stage
+from tasks.stage import Publication, RunContext, run_stage
 from tasks.tracking.runs import pipeline_run, stage_run
 from tasks.tracking.setup import configure_tracking
 
@@ -37,7 +37,7 @@ class StageHarness:
         self.active = self._hold.__enter__()
         with pipeline_run(experiment or f"tests-{uuid.uuid4().hex[:8]}", record.run_id, "test") as parent:
             self.parent_run_id = parent
-        self.runner = Runner(self.store, self.active, self.parent_run_id, self.names)
+        self.runner = RunContext(self.store, self.active, self.parent_run_id, self.names)
 
     @property
     def run_id(self) -> str:
