@@ -44,31 +44,31 @@ log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = ".rlhf_state"
 
 
-def run_stages(config: PipelineConfig, runner: RunContext) -> Outcome:
+def run_stages(config: PipelineConfig, run_context: RunContext) -> Outcome:
     """Every stage of the pipeline, each a Prefect task run named by its label (and failed by Prefect when it
     runs past ``orchestration.stage_timeout_minutes``)."""
     timed = _timed(config)
-    data = timed(data_prep.data_prep_task)("data-prep", data_prep.Config.of(config), data_prep.Inputs(), runner)
-    sft_art = timed(sft.sft_task)("sft", sft.Config.of(config), sft.Inputs(data), runner)
+    data = timed(data_prep.data_prep_task)("data-prep", data_prep.Config.of(config), data_prep.Inputs(), run_context)
+    sft_art = timed(sft.sft_task)("sft", sft.Config.of(config), sft.Inputs(data), run_context)
     reference = sft.model_input(sft_art)
     rm_cfg = reward_model.Config.of(config)
     rm_art = timed(reward_model.reward_model_task)("reward-model", rm_cfg,
-                                                   reward_model.Inputs.of(rm_cfg, data, reference), runner)
+                                                   reward_model.Inputs.of(rm_cfg, data, reference), run_context)
     proxy, heldout = reward_model.model_input(rm_art, "proxy"), reward_model.model_input(rm_art, "heldout")
     baseline = timed(best_of_n.best_of_n_task)("best-of-n", best_of_n.Config.of(config),
-                                               best_of_n.Inputs(data, reference, proxy, heldout), runner)
+                                               best_of_n.Inputs(data, reference, proxy, heldout), run_context)
     outcome = Outcome(data, sft_art, rm_art, baseline)
     if config.method == "dpo":
-        return run_dpo(config, runner, outcome, reference, proxy, heldout)
+        return run_dpo(config, run_context, outcome, reference, proxy, heldout)
     rm_generation, previous = 0, None
     for k in range(1, config.ppo.iterations + 1):
         ppo = timed(ppo_iteration.ppo_iteration_task)(
             f"ppo-iteration-{k}", ppo_iteration.Config.of(config, k),
-            ppo_iteration.Inputs(data, reference, proxy, previous), runner)
+            ppo_iteration.Inputs(data, reference, proxy, previous), run_context)
         policy = ppo_iteration.model_input(ppo)
         evaluation = timed(heldout_eval.heldout_eval_task)(
             f"heldout-eval-{k}", heldout_eval.Config.of(config, k, rm_generation),
-            heldout_eval.Inputs(data, policy, reference, proxy, heldout, baseline, tuple(outcome.evals)), runner)
+            heldout_eval.Inputs(data, policy, reference, proxy, heldout, baseline, tuple(outcome.evals)), run_context)
         outcome.ppo.append(ppo)
         outcome.evals.append(evaluation)
         # the held-out RM's verdict: gold only evaluates, it never decides what trains next
@@ -77,7 +77,7 @@ def run_stages(config: PipelineConfig, runner: RunContext) -> Outcome:
             refresh_cfg = rm_refresh.Config.of(config, k)
             refreshed = timed(rm_refresh.rm_refresh_task)(
                 f"rm-refresh-{k}", refresh_cfg,
-                rm_refresh.Inputs.of(refresh_cfg, data, policy, proxy, heldout, outcome.refreshes), runner)
+                rm_refresh.Inputs.of(refresh_cfg, data, policy, proxy, heldout, outcome.refreshes), run_context)
             outcome.refreshes.append(refreshed)
             if rm_refresh.STAGE.result(refreshed).promoted:
                 # Proxy scores of different reward models are not comparable: the hacking detector's window
@@ -87,17 +87,17 @@ def run_stages(config: PipelineConfig, runner: RunContext) -> Outcome:
     return outcome
 
 
-def run_dpo(config: PipelineConfig, runner: RunContext, outcome: Outcome, reference: ModelInput, proxy: ModelInput,
+def run_dpo(config: PipelineConfig, run_context: RunContext, outcome: Outcome, reference: ModelInput, proxy: ModelInput,
             heldout: ModelInput) -> Outcome:
     """The offline method: dpo on the reward-model training pairs, then the heldout-eval a PPO iteration's policy
     gets (as iteration 1: the hacking detector, the best-of-n baseline, promotion to champion). No rm-refresh: DPO
     never samples from the policy, so there are no fresh replies to label and no later iteration to train."""
     timed = _timed(config)
-    trained = timed(dpo.dpo_task)("dpo", dpo.Config.of(config), dpo.Inputs(outcome.data, reference), runner)
+    trained = timed(dpo.dpo_task)("dpo", dpo.Config.of(config), dpo.Inputs(outcome.data, reference), run_context)
     evaluation = timed(heldout_eval.heldout_eval_task)(
         "heldout-eval-1", heldout_eval.Config.of(config, 1, 0),
         heldout_eval.Inputs(outcome.data, dpo.model_input(trained), reference, proxy, heldout, outcome.best_of_n),
-        runner)
+        run_context)
     outcome.dpo = trained
     outcome.evals.append(evaluation)
     return outcome

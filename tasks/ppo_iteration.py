@@ -199,7 +199,7 @@ def publish(cfg: Config, result: Result, pub: Publication) -> None:
     pub.set_tags({"iteration": cfg.iteration})
     pub.register("policy", pub.names.policy_model, result.policy, usage={"generation": asdict(cfg.ppo.generation)})
     # Only once this iteration is published: a failed iteration k leaves k-1's state for its retry.
-    pub.run.store.prune_resume_states(pub.artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
+    pub.run_context.store.prune_resume_states(pub.artifact, cfg.keep_resume_states, "previous", "ppo.keep_resume_states")
 
 
 STAGE = Stage(NAME, compute, publish, Result)

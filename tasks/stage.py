@@ -109,11 +109,11 @@ class RunContext:
 class Publication:
     """What ``publish`` may do for this run: log the artifact's results to MLflow and register its models."""
 
-    def __init__(self, run: RunContext, label: str, artifact: Artifact, mlflow_run_id: str,
+    def __init__(self, run_context: RunContext, label: str, artifact: Artifact, mlflow_run_id: str,
                  cached_from: str | None) -> None:
-        self.run, self.label, self.artifact, self.mlflow_run_id = run, label, artifact, mlflow_run_id
+        self.run_context, self.label, self.artifact, self.mlflow_run_id = run_context, label, artifact, mlflow_run_id
         self.cached_from = cached_from
-        self.names = run.names
+        self.names = run_context.names
         self.models: dict[str, str] = {}
         self._curves: set[str] | None = None
 
@@ -135,15 +135,15 @@ class Publication:
     def log_headline(self, metrics: Mapping[str, float], step: int | None = None,
                      tags: Mapping[str, object] | None = None) -> None:
         """Results the pipeline's parent run carries too (its columns when runs are compared), at ``step``."""
-        tracking.log_metrics(self.run.parent_run_id, metrics, step)
+        tracking.log_metrics(self.run_context.parent_run_id, metrics, step)
         if tags:
-            tracking.set_tags(self.run.parent_run_id, {k: str(v) for k, v in tags.items()})
+            tracking.set_tags(self.run_context.parent_run_id, {k: str(v) for k, v in tags.items()})
 
     def log_tables(self, tables: Mapping[str, tuple[str, str]]) -> None:
         """Parquet tables of the artifact as MLflow datasets of the stage run and the parent run:
         name -> (relative path, context such as 'training')."""
         files = self.artifact.record.files
-        tracking.log_tables([self.mlflow_run_id, self.run.parent_run_id],
+        tracking.log_tables([self.mlflow_run_id, self.run_context.parent_run_id],
                             {name: (self.artifact.path(relative), context, files.get(relative, {}).get("sha256", ""))
                              for name, (relative, context) in tables.items()})
 
@@ -164,11 +164,11 @@ class Publication:
         """Register a model folder (relative to the artifact, or an outside one the artifact chose) as a version
         of ``name`` for this run (idempotent), tagged with the run id, stage, artifact key, role and, for a cached
         stage, the run it came from. ``usage``: how the version's pyfunc uses it (a policy's ``generation``)."""
-        lineage = {"rlhf.run_id": self.run.run_id, "rlhf.stage": self.label, "rlhf.role": role,
+        lineage = {"rlhf.run_id": self.run_context.run_id, "rlhf.stage": self.label, "rlhf.role": role,
                    "rlhf.artifact_key": self.artifact.identity(), "rlhf.produced_by": self.artifact.record.produced_by}
         if self.cached_from:
             lineage["rlhf.cached_from"] = self.cached_from
-        description = (f"{role} of rlhf run {self.run.run_id}, stage {self.label}, artifact "
+        description = (f"{role} of rlhf run {self.run_context.run_id}, stage {self.label}, artifact "
                        f"{self.artifact.identity()}" + (f" (computed by run {self.cached_from})" if self.cached_from
                                                         else ""))
         path = Path(folder) if Path(folder).is_absolute() else self.artifact.path(str(folder))
@@ -197,7 +197,7 @@ class Publication:
         """The ``models:/`` URI this run registered for ``role`` from the artifact behind input ``name`` (e.g. the
         policy heldout-eval judged: the version its ppo-iteration registered); None when there is none."""
         identity = str(self.artifact.record.inputs.get(name, ""))
-        for entry in self.run.run.record.stages.values():
+        for entry in self.run_context.run.record.stages.values():
             if (entry.status == "completed" and role in entry.models
                     and (identity == f"{entry.stage}/{entry.key}" or identity.startswith(f"{entry.stage}/{entry.key}/"))):
                 return entry.models[role]
@@ -210,67 +210,71 @@ class Publication:
         return ref
 
 
-def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, runner: RunContext) -> Artifact:
+def run_stage(stage: Stage, label: str, cfg: Any, inputs: Any, run_context: RunContext) -> Artifact:
     """Reuse or compute the artifact of (``stage``, ``cfg``, ``inputs``) and publish it for this run."""
-    rerun = runner.run.record.rerun_of(label, stage.name)
+    rerun = run_context.run.record.rerun_of(label, stage.name)
     key = stage_key(stage.name, cfg, shallow_fields(inputs), rerun, tracking.model_identity, stage.module)
-    entry = runner.run.stage(label)
+    entry = run_context.run.stage(label)
     try:
-        artifact = runner.store.artifact(stage.name, key)
+        artifact = run_context.store.artifact(stage.name, key)
         if artifact is not None and entry is not None and entry.key == key and entry.status == "completed":
             return artifact  # done in this run already (a resume, or a rerun of a finished run)
         if artifact is None:
-            with runner.store.claim(stage.name, key, runner.run_id) as claim:
-                artifact = runner.store.artifact(stage.name, key)  # another run may have finished it meanwhile
+            with run_context.store.claim(stage.name, key, run_context.run_id) as claim:
+                artifact = run_context.store.artifact(stage.name, key)  # another run may have finished it meanwhile
                 if artifact is None:
-                    return _compute(stage, label, key, cfg, inputs, runner, claim)
-        cached_from = None if artifact.record.produced_by == runner.run_id else artifact.record.produced_by
+                    return _compute(stage, label, key, cfg, inputs, run_context, claim)
+        cached_from = None if artifact.record.produced_by == run_context.run_id else artifact.record.produced_by
         log.info("%s: reusing artifact %s%s", label, artifact.identity(),
                  f" computed by run {cached_from}" if cached_from else "")
-        runner.run.stage_started(label, stage.name, key, cached_from)
-        _publish(stage, label, cfg, artifact, runner, cached_from)
+        run_context.run.stage_started(label, stage.name, key, cached_from)
+        _publish(stage, label, cfg, artifact, run_context, cached_from)
         return artifact
     except BaseException as error:
-        if runner.run.stage(label) is not None:
-            runner.run.stage_update(label, status="failed", error=f"{type(error).__name__}: {error}".splitlines()[0])
+        if run_context.run.stage(label) is not None:
+            first_line = f"{type(error).__name__}: {error}".splitlines()[0]
+            run_context.run.stage_update(label, status="failed", error=first_line)
         raise
 
 
-def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, runner: RunContext, claim: Any) -> Artifact:
-    entry = runner.run.stage_started(label, stage.name, key)
+def _compute(stage: Stage, label: str, key: str, cfg: Any, inputs: Any, run_context: RunContext,
+             claim: Any) -> Artifact:
+    entry = run_context.run.stage_started(label, stage.name, key)
     log.info("%s: computing artifact %s/%s", label, stage.name, key)
-    with tracking.stage_run(label, runner.parent_run_id, _tags(runner, stage, key), entry.mlflow_run_id) as mlflow_id:
-        runner.run.stage_update(label, mlflow_run_id=mlflow_id)
-        tracker = StageTracker(mlflow_id, runner.parent_run_id, claim.work / METRICS_LOG)
+    tags = _tags(run_context, stage, key)
+    with tracking.stage_run(label, run_context.parent_run_id, tags, entry.mlflow_run_id) as mlflow_id:
+        run_context.run.stage_update(label, mlflow_run_id=mlflow_id)
+        tracker = StageTracker(mlflow_id, run_context.parent_run_id, claim.work / METRICS_LOG)
         result = stage.compute(cfg, inputs, StageContext(claim.staging, claim.work, tracker, label, stage.name,
-                                                         runner.store, claim.resume_staging))
+                                                         run_context.store, claim.resume_staging))
         tracker.flush()
         if tracker.record.exists():
             tracker.record.rename(claim.staging / METRICS_LOG)
         artifact = claim.publish(asdict(result), cfg, shallow_fields(inputs), code_version(stage.module))
-        _publish_into(stage, label, cfg, artifact, runner, mlflow_id, None)
+        _publish_into(stage, label, cfg, artifact, run_context, mlflow_id, None)
     return artifact
 
 
-def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: RunContext, cached_from: str | None) -> None:
-    entry = runner.run.stage(label)
-    tags = _tags(runner, stage, artifact.key) | ({"rlhf.cached_from": cached_from} if cached_from else {})
+def _publish(stage: Stage, label: str, cfg: Any, artifact: Artifact, run_context: RunContext,
+             cached_from: str | None) -> None:
+    entry = run_context.run.stage(label)
+    tags = _tags(run_context, stage, artifact.key) | ({"rlhf.cached_from": cached_from} if cached_from else {})
     if cached_from:  # the parent says which stages this run reused, and from which run
-        tracking.set_tags(runner.parent_run_id, {f"rlhf.cached_from.{label}": cached_from})
-    with tracking.stage_run(label, runner.parent_run_id, tags, entry.mlflow_run_id) as mlflow_id:
+        tracking.set_tags(run_context.parent_run_id, {f"rlhf.cached_from.{label}": cached_from})
+    with tracking.stage_run(label, run_context.parent_run_id, tags, entry.mlflow_run_id) as mlflow_id:
         first = entry.mlflow_run_id is None
-        runner.run.stage_update(label, mlflow_run_id=mlflow_id)
+        run_context.run.stage_update(label, mlflow_run_id=mlflow_id)
         if first and cached_from:  # the curves of the run that computed it
-            tracking.replay_metrics(artifact.path(METRICS_LOG), mlflow_id, runner.parent_run_id)
-        _publish_into(stage, label, cfg, artifact, runner, mlflow_id, cached_from)
+            tracking.replay_metrics(artifact.path(METRICS_LOG), mlflow_id, run_context.parent_run_id)
+        _publish_into(stage, label, cfg, artifact, run_context, mlflow_id, cached_from)
 
 
-def _publish_into(stage: Stage, label: str, cfg: Any, artifact: Artifact, runner: RunContext, mlflow_id: str,
+def _publish_into(stage: Stage, label: str, cfg: Any, artifact: Artifact, run_context: RunContext, mlflow_id: str,
                   cached_from: str | None) -> None:
-    publication = Publication(runner, label, artifact, mlflow_id, cached_from)
+    publication = Publication(run_context, label, artifact, mlflow_id, cached_from)
     publication.log_params(flatten_for_params(cfg))
     stage.publish(cfg, stage.result(artifact), publication)
-    runner.run.stage_update(label, status="completed", models=dict(publication.models), error=None)
+    run_context.run.stage_update(label, status="completed", models=dict(publication.models), error=None)
 
 
 def shallow_fields(inputs: Any) -> dict[str, Any]:
@@ -278,15 +282,15 @@ def shallow_fields(inputs: Any) -> dict[str, Any]:
     return {f.name: getattr(inputs, f.name) for f in fields(inputs)}
 
 
-def _tags(runner: RunContext, stage: Stage, key: str) -> dict[str, str]:
-    return {"rlhf.run_id": runner.run_id, "rlhf.artifact_key": f"{stage.name}/{key}"}
+def _tags(run_context: RunContext, stage: Stage, key: str) -> dict[str, str]:
+    return {"rlhf.run_id": run_context.run_id, "rlhf.artifact_key": f"{stage.name}/{key}"}
 
 
 def stage_task(stage: Stage, retries: int = 1, retry_delay_seconds: float = 5) -> Task:
     """The Prefect task of ``stage``: task runs are named by label ('ppo-iteration-2'); retries only for transient
     I/O; no Prefect result persistence or caching (the run store owns results, as JSON)."""
-    def body(label: str, cfg: Any, inputs: Any, runner: RunContext) -> Artifact:
-        return run_stage(stage, label, cfg, inputs, runner)
+    def body(label: str, cfg: Any, inputs: Any, run_context: RunContext) -> Artifact:
+        return run_stage(stage, label, cfg, inputs, run_context)
 
     body.__name__ = body.__qualname__ = stage.name.replace("-", "_")
     return task(name=stage.name, task_run_name="{label}", retries=retries, retry_delay_seconds=retry_delay_seconds,

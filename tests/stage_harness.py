@@ -37,7 +37,7 @@ class StageHarness:
         self.active = self._hold.__enter__()
         with pipeline_run(experiment or f"tests-{uuid.uuid4().hex[:8]}", record.run_id, "test") as parent:
             self.parent_run_id = parent
-        self.runner = RunContext(self.store, self.active, self.parent_run_id, self.names)
+        self.run_context = RunContext(self.store, self.active, self.parent_run_id, self.names)
 
     @property
     def run_id(self) -> str:
@@ -45,7 +45,7 @@ class StageHarness:
 
     def run(self, stage: ModuleType, label: str, cfg: Any, inputs: Any) -> Artifact:
         """``stage.STAGE`` through the runner (key, claim, publish, MLflow) as a flow would run it."""
-        return run_stage(stage.STAGE, label, cfg, inputs, self.runner)
+        return run_stage(stage.STAGE, label, cfg, inputs, self.run_context)
 
     def artifact(self, stage: str, files: Mapping[str, str | Path], result: Mapping[str, Any],
                  key: str | None = None) -> Artifact:
@@ -68,7 +68,7 @@ class StageHarness:
         ``Publication.registered_input`` finds them. Returns role -> ``models:/`` URI."""
         self.active.stage_started(label, artifact.stage, artifact.key)
         with stage_run(label, self.parent_run_id) as mlflow_id:
-            publication = Publication(self.runner, label, artifact, mlflow_id, None)
+            publication = Publication(self.run_context, label, artifact, mlflow_id, None)
             for role, (name, folder) in models.items():
                 publication.register(role, name, folder)
         self.active.stage_update(label, status="completed", mlflow_run_id=mlflow_id, models=dict(publication.models))

@@ -247,14 +247,15 @@ def file_imports(sources: dict[str, str]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, rel in modules.items():
         tree = ast.parse(sources[rel], filename=rel)
-        found = set()
+        found, packages_of_from = set(), set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = node.module or "" if node.level == 0 else resolve_relative(
+                base = (node.module or "") if node.level == 0 else resolve_relative(
                     module, rel.endswith("__init__.py"), node.level, node.module)
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
-        found |= {name for _, name in imported_modules(tree, rel) if name in modules} - {
-            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+                packages_of_from.add((node.lineno, base))
+        # every other import the boundary checker sees (plain, importlib); the ``from`` ones are resolved above
+        found |= {name for line, name in imported_modules(tree, rel) if (line, name) not in packages_of_from}
         graph[module] = {name for name in found if name in modules and name != module}
     return graph
 
@@ -354,3 +355,7 @@ def test_the_circle_and_order_checks_can_fail():
     assert circles(file_imports({"rlhf_core/demo/__init__.py": "from rlhf_core.demo.gold import g\n",
                                  "rlhf_core/demo/gold.py": "from rlhf_core.demo import phrases\n",
                                  "rlhf_core/demo/phrases.py": ""})) == []
+    # ... but a plain import of that package in the same file still is one
+    assert circles(file_imports({"rlhf_core/demo/__init__.py": "from rlhf_core.demo.gold import g\n",
+                                 "rlhf_core/demo/gold.py": "import rlhf_core.demo\nfrom rlhf_core.demo import phrases\n",
+                                 "rlhf_core/demo/phrases.py": ""})) == [["rlhf_core.demo", "rlhf_core.demo.gold"]]
