@@ -313,7 +313,11 @@ class RewardTrainingConfig:
     weight_decay: NonNegative = 0.0
     """AdamW weight decay."""
     max_grad_norm: ClipNorm = 1.0
-    """Gradient-norm clip."""
+    """Gradient-norm clip (inf = no clipping; the norm is still reported)."""
+    warmup_steps: Count = 0
+    """Steps of linear warmup from ~0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
     max_length: Annotated[int, Range(ge=2, note="a prompt and a reply token")] = 256
     """Tokens per prompt+response; longer inputs keep the end (where the reply is) and are counted."""
     use_margin: bool = False
@@ -363,8 +367,8 @@ class SFTConfig:
     """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
     """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
-    max_grad_norm: Positive | None = 1.0
-    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
+    max_grad_norm: ClipNorm = 1.0
+    """Clip the global gradient norm to this value (inf = no clipping; the norm is still reported)."""
     max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
     """Longest prompt + reply + eos in tokens; longer rows keep the prompt's end and the reply's start."""
     eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 50
@@ -410,8 +414,8 @@ class DPOConfig:
     """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
     """After warmup: keep ``learning_rate`` or decay it linearly towards 0 at the last step."""
-    max_grad_norm: Positive | None = 1.0
-    """Clip the global gradient norm to this value (None = no clipping; the norm is still reported)."""
+    max_grad_norm: ClipNorm = 1.0
+    """Clip the global gradient norm to this value (inf = no clipping; the norm is still reported)."""
     max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
     """Longest prompt + reply + eos in tokens; longer ones keep the prompt's end and the reply's start (as SFT)."""
     eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 0

@@ -2,9 +2,8 @@
 
 A stage with ``distributed.deepspeed_config`` set writes the job and starts one worker per GPU with torchrun
 or the deepspeed launcher (tasks/launch.py); run by hand, the same command joins a multi-node torchrun job.
-Every worker rebuilds the stage's settings from the job (strictly, with the config's own builder), builds the same
-models and data from the job's files, runs the same ``rlhf_core`` training function as the in-process stage with a
-DeepSpeed strategy, and rank 0 writes what the stage reads back: a JSON line of metrics per step
+Every worker rebuilds the stage's training job from the file (strictly, with the config's own builder) and runs it
+with the function the in-process stage runs it with (``tasks.training_jobs``), with a DeepSpeed strategy; rank 0 writes what the stage reads back: a JSON line of metrics per step
 (``metrics.jsonl``), then the trained weights (reward model) or the final checkpoint (PPO). Workers never talk to
 MLflow: the stage process logs what rank 0 writes.
 """
@@ -19,19 +18,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-
-from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.distributed.deepspeed_config import load_deepspeed_config
 from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed, partitioned_loading
 from rlhf_core.models.roles import load_reward_model
-from rlhf_core.training.ppo_loop import train_ppo
-from rlhf_core.training.reward_training import train_reward_model
-from rlhf_core.data.records import PreferencePair
-from tasks.io import read_prompts
-from tasks.launch import DistributedJob, reward_history_to_json
-from tasks.models import build_ppo_models, config_max_positions, load_tokenizer, tokenize_prompts
-from tasks.runtime import Runtime
-from tasks.typed_yaml import build
+from tasks.launch import HISTORY_FILE, INITIAL_DIR, TRAINED_FILE, DistributedJob, reward_history_to_json
+from tasks.models import load_tokenizer
+from tasks.training_jobs import PPOJob, RewardModelJob, run_ppo_job, run_reward_job
 
 log = logging.getLogger("tasks.distributed_train")
 
@@ -58,58 +50,33 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}/{world_size}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     job = DistributedJob.read(args.job)
-    runtime = job_settings(Runtime, job.runtime, "runtime", job)
+    training = job.training()
     deepspeed_config = load_deepspeed_config(job.deepspeed_config)
-    if job.stage == "reward-model":
-        train_reward(job, runtime, deepspeed_config, rank, world_size)
-    elif job.stage == "ppo":
-        train_policy(job, runtime, deepspeed_config, rank)
+    on_log = MetricsWriter(Path(job.workdir) / "metrics.jsonl") if rank == 0 else None
+    if isinstance(training, PPOJob):
+        # Each rank generates its share of every rollout batch; checkpoints go where the stage reads them.
+        run_ppo_job(training, on_log, DeepSpeedFactory(deepspeed_config, training.config.micro_batch_size),
+                    lambda folder: partitioned_loading(deepspeed_config, folder, training.runtime.torch_dtype))
     else:
-        raise ValueError(f"{args.job}: unknown stage {job.stage!r}; expected 'reward-model' or 'ppo'")
+        train_reward(job, training, deepspeed_config, on_log, world_size)
     return 0
 
 
-def job_settings(cls: type, data: dict[str, Any], name: str, job: DistributedJob) -> Any:
-    """Settings dataclass ``cls`` rebuilt from the job's data, as strictly as ``load_config``; a bad key is reported
-    as coming from the job file."""
-    return build(cls, dict(data), name, {name: str(Path(job.workdir) / "job.json")})
-
-
-def train_reward(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[str, Any], rank: int,
-                 world_size: int) -> None:
-    """train_reward_model on this rank's share of every batch; rank 0 saves the weights and the history."""
-    spec, folder = job.reward, Path(job.workdir)
-    cfg = job_settings(RewardTrainingConfig, spec["training"], "reward_model.training", job)
-    tokenizer = load_tokenizer(spec["model_dir"])
-    with partitioned_loading(deepspeed_config, spec["model_dir"], runtime.torch_dtype) as partitioned:
-        model = load_reward_model(spec["model_dir"], runtime.torch_dtype)  # ZeRO-3: each rank holds its shard only
+def train_reward(job: DistributedJob, training: RewardModelJob, deepspeed_config: dict[str, Any],
+                 on_log: MetricsWriter | None, world_size: int) -> None:
+    """The reward-model job on this rank's share of every batch; rank 0 (the one with ``on_log``) saves the weights
+    and the history."""
+    folder, runtime, cfg = Path(job.workdir), training.runtime, training.training
+    initial = folder / INITIAL_DIR
+    with partitioned_loading(deepspeed_config, str(initial), runtime.torch_dtype) as partitioned:
+        model = load_reward_model(str(initial), runtime.torch_dtype)  # ZeRO-3: each rank holds its shard only
     model = model if partitioned else model.to(runtime.torch_device)
-    pairs = json.loads(Path(spec["pairs_file"]).read_text(encoding="utf-8"))
     share = math.ceil(cfg.batch_size / world_size)  # pairs per process and step; micro_batch_size of them per forward
     factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=min(share, cfg.micro_batch_size or share))
-    on_log = MetricsWriter(folder / "metrics.jsonl") if rank == 0 else None
-    result = train_reward_model(model, tokenizer, [PreferencePair(**p) for p in pairs["train"]],
-                                [PreferencePair(**p) for p in pairs["eval"]], cfg, on_log=on_log,
-                                eval_every=int(spec["eval_every"]), make_strategy=factory)
-    factory.built[-1].save_weights(model, folder / "trained.safetensors")
-    if rank == 0:
-        (folder / "history.json").write_text(json.dumps(reward_history_to_json(result)), encoding="utf-8")
-
-
-def train_policy(job: DistributedJob, runtime: Runtime, deepspeed_config: dict[str, Any], rank: int) -> None:
-    """train_ppo with each rank generating its share of every rollout batch; checkpoints go where the stage reads."""
-    spec = job.ppo
-    config = job_settings(PPOConfig, spec["config"], "ppo", job)
-    tokenizer = load_tokenizer(spec["reference_dir"])
-    models = build_ppo_models(config, runtime, int(spec["seed"]), spec["reference_dir"], spec["reward_dir"], tokenizer,
-                              lambda folder: partitioned_loading(deepspeed_config, folder, runtime.torch_dtype))
-    prompts = tokenize_prompts(read_prompts(spec["prompts_file"]), spec["prompts_file"], tokenizer,
-                               config_max_positions(spec["reference_dir"]) - config.generation.max_new_tokens)
-    writer = MetricsWriter(Path(job.workdir) / "metrics.jsonl") if rank == 0 else None
-    train_ppo(models, prompts, config, int(spec["n_updates"]), checkpoint_dir=spec["checkpoint_dir"],
-              checkpoint_every=int(spec["checkpoint_every"]),
-              on_step=(lambda stats: writer(stats.step, stats.to_metrics())) if writer is not None else None,
-              init_from=spec["init_from"], make_strategy=DeepSpeedFactory(deepspeed_config, config.micro_batch_size))
+    result = run_reward_job(training, model, load_tokenizer(initial), on_log, factory)
+    factory.built[-1].save_weights(model, folder / TRAINED_FILE)
+    if on_log is not None:
+        (folder / HISTORY_FILE).write_text(json.dumps(reward_history_to_json(result)), encoding="utf-8")
 
 
 if __name__ == "__main__":

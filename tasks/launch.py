@@ -1,13 +1,13 @@
 """Where a stage's training runs: in the stage's process, or on DeepSpeed workers the stage launches.
 
-The reward-model and ppo-iteration stages call :func:`fit_reward_model` / :func:`run_ppo_training` where they
-used to call ``train_reward_model`` / ``train_ppo``. Without ``distributed.deepspeed_config`` these are those
-calls. With it, the stage writes a :class:`DistributedJob` (inputs as files, the stage's settings as data), starts
-``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun
-or the deepspeed launcher, feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow
-callback while they run, and only then builds the stage's models and loads the trained weights into them (the
-stage holds no model while its workers train): everything after the training (saving, registering, samples,
-plots) is the same code either way.
+The reward-model and ppo-iteration stages build their training as one job (``tasks.training_jobs``) and hand it to
+:func:`fit_reward_model` / :func:`train_ppo_job`. Without ``distributed.deepspeed_config`` these run the job here.
+With it, the stage writes a :class:`DistributedJob` (the job as data, the DeepSpeed config), starts
+``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun or the
+deepspeed launcher, each running the same job, feeds the metrics rank 0 writes (one JSON line per step) to the
+stage's MLflow callback while they run, and only then builds the stage's models and loads the trained weights into
+them (the stage holds no model while its workers train): everything after the training (saving, registering,
+samples, plots) is the same code either way.
 """
 
 from __future__ import annotations
@@ -21,25 +21,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.models.roles import load_reward_model
 from rlhf_core.training.checkpoint import latest_checkpoint
 from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights, train_ppo
-from rlhf_core.training.reward_training import RewardEval, RewardTrainingResult, train_reward_model
-from rlhf_core.data.records import PreferencePair
+from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights
+from rlhf_core.training.reward_training import RewardEval, RewardTrainingResult
 from tasks.config import DistributedSection
-from tasks.runtime import Runtime
-from tasks.typed_yaml import config_to_dict
+from tasks.training_jobs import (STAGES, Job, OnLog, PPOJob, RewardModelJob, job_from_data, job_to_data,
+                                 run_ppo_job, run_reward_job)
 
 log = logging.getLogger(__name__)
 
@@ -47,51 +45,54 @@ REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
 """How long the workers of a stage that ended early get between SIGTERM and SIGKILL."""
-
-OnLog = Callable[[int, dict[str, float]], None]
+INITIAL_DIR = "initial"
+"""reward-model: the folder of the job's workdir holding the initial model and its tokenizer."""
+TRAINED_FILE, HISTORY_FILE = "trained.safetensors", "history.json"
+"""reward-model: what rank 0 leaves in the workdir."""
 
 
 @dataclass(frozen=True)
 class DistributedJob:
-    """What the workers of one stage's training need; written as JSON next to its input files. The stage's own
-    settings travel as data (serialised once, rebuilt strictly in the worker), never as a second config file."""
+    """A job handed to DeepSpeed workers, written as ``<workdir>/job.json``: the stage's training job as data
+    (serialized once, rebuilt strictly by :meth:`training`), never a second config file."""
 
-    stage: Literal["reward-model", "ppo"]
+    stage: str
+    """'ppo' or 'reward-model' (``tasks.training_jobs.STAGES``)."""
     workdir: str
-    """Folder of the job: inputs, ``metrics.jsonl`` (rank 0, one line per step) and outputs."""
+    """Folder of the job: ``job.json``, ``metrics.jsonl`` (rank 0, one line per step) and the reward model's
+    ``initial/`` folder and outputs."""
     deepspeed_config: str
     """Absolute path of the DeepSpeed JSON."""
-    runtime: dict[str, Any]
-    """The stage's :class:`tasks.runtime.Runtime` as data."""
-    reward: dict[str, Any] | None = None
-    """reward-model: ``model_dir`` (initial weights + tokenizer), ``pairs_file``, ``training`` (a
-    RewardTrainingConfig as data), ``eval_every``; the workers write ``trained.safetensors``, ``history.json``."""
-    ppo: dict[str, Any] | None = None
-    """ppo: ``config`` (the PPO section as data), ``seed``, ``reference_dir``, ``reward_dir``, ``prompts_file``,
-    ``n_updates``, ``checkpoint_dir``, ``init_from``; the workers leave their final checkpoint in ``checkpoint_dir``."""
+    job: dict[str, Any]
+    """The :class:`~tasks.training_jobs.PPOJob` or :class:`~tasks.training_jobs.RewardModelJob` as data."""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.workdir) / "job.json"
 
     def write(self) -> Path:
         """``<workdir>/job.json``."""
-        path = Path(self.workdir) / "job.json"
-        path.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
-        return path
+        self.path.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
+        return self.path
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> DistributedJob:
         """The job a stage wrote."""
         return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
 
+    def training(self) -> Job:
+        """The training job, rebuilt as strictly as a config file (a bad key names this file)."""
+        return job_from_data(self.job, self.stage, str(self.path))
+
 
 # --------------------------------------------------------------------------------------------- stage side
 
 
-def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime,
-                     initial: Callable[[], PreTrainedModel], tokenizer: PreTrainedTokenizerBase,
-                     train: Sequence[PreferencePair], evaluate_on: Sequence[PreferencePair], cfg: RewardTrainingConfig,
-                     on_log: OnLog, eval_every: int,
+def fit_reward_model(job: RewardModelJob, initial: Callable[[], PreTrainedModel], tokenizer: PreTrainedTokenizerBase,
+                     distributed: DistributedSection | None, on_log: OnLog,
                      workdir: str | os.PathLike[str]) -> tuple[PreTrainedModel, RewardTrainingResult]:
-    """(the trained reward model, its history): ``train_reward_model`` on the model ``initial()`` builds, here
-    (``distributed`` None) or on DeepSpeed workers.
+    """(the trained reward model, its history): ``job`` run on the model ``initial()`` builds, here (``distributed``
+    None) or on DeepSpeed workers.
 
     Launched, the stage builds the initial model (its fresh head drawn as in this process), saves it for the
     workers and drops it before they start, so it holds no model while they train; afterwards it rebuilds the
@@ -99,50 +100,34 @@ def fit_reward_model(distributed: DistributedSection | None, runtime: Runtime,
     """
     if distributed is None:
         model = initial()
-        return model, train_reward_model(model, tokenizer, train, evaluate_on, cfg, on_log=on_log,
-                                          eval_every=eval_every)
+        return model, run_reward_job(job, model, tokenizer, on_log)
     folder = _fresh(workdir)
-    _save_and_drop(initial(), folder / "initial")  # the only reference to the model: gone after this line
-    tokenizer.save_pretrained(folder / "initial")
-    pairs = {"train": [asdict(p) for p in train], "eval": [asdict(p) for p in evaluate_on]}
-    (folder / "pairs.json").write_text(json.dumps(pairs), encoding="utf-8")
-    job = _job(distributed, runtime, folder, "reward-model", reward={
-        "model_dir": str(folder / "initial"), "pairs_file": str(folder / "pairs.json"),
-        "training": config_to_dict(cfg), "eval_every": eval_every})
-    launch(distributed, job, on_log)
-    model = load_reward_model(str(folder / "initial"), runtime.torch_dtype)
-    load_model(model, str(folder / "trained.safetensors"))
-    history = reward_history_from_json(json.loads((folder / "history.json").read_text(encoding="utf-8")))
-    return model.to(runtime.torch_device), history
+    _save_and_drop(initial(), folder / INITIAL_DIR)  # the only reference to the model: gone after this line
+    tokenizer.save_pretrained(folder / INITIAL_DIR)
+    launch(distributed, _job(distributed, folder, job), on_log)
+    model = load_reward_model(str(folder / INITIAL_DIR), job.runtime.torch_dtype)
+    load_model(model, str(folder / TRAINED_FILE))
+    history = reward_history_from_json(json.loads((folder / HISTORY_FILE).read_text(encoding="utf-8")))
+    return model.to(job.runtime.torch_device), history
 
 
-def run_ppo_training(config: PPOConfig, runtime: Runtime, seed: int, distributed: DistributedSection | None,
-                     build_models: Callable[[], PPOModels], prompts: Sequence[Sequence[int]], n_updates: int,
-                     checkpoint_dir: Path, on_log: OnLog, init_from: str | None, inputs: dict[str, str],
-                     workdir: str | os.PathLike[str], checkpoint_every: int = 0) -> tuple[PPOModels, PPORunResult]:
-    """(the trained models, the run's history): ``train_ppo`` on the models ``build_models()`` builds, here
-    (``distributed`` None), or on DeepSpeed workers. ``inputs``: ``reference_dir``, ``reward_dir`` (local model
-    folders) and ``prompts_file``, from which each worker builds the same models and prompts as the stage would.
+def train_ppo_job(job: PPOJob, distributed: DistributedSection | None, on_log: OnLog,
+                  workdir: str | os.PathLike[str]) -> tuple[PPOModels, PPORunResult]:
+    """(the trained models, the run's history): ``job`` run here (``distributed`` None), or on DeepSpeed workers,
+    each building the same models and prompts from the job's folders and files.
 
     Launched, the stage builds no model until the workers have ended; then it builds them and loads the weights of
     the workers' final checkpoint.
     """
     if distributed is None:
-        models = build_models()
-        return models, train_ppo(models, prompts, config, n_updates, checkpoint_dir=checkpoint_dir,
-                                 checkpoint_every=checkpoint_every,
-                                 on_step=lambda s: on_log(s.step, s.to_metrics()), init_from=init_from)
-    folder = _fresh(workdir)
-    job = _job(distributed, runtime, folder, "ppo", ppo={
-        **inputs, "config": config_to_dict(config), "seed": seed, "n_updates": n_updates,
-        "checkpoint_dir": str(Path(checkpoint_dir).resolve()), "checkpoint_every": checkpoint_every,
-        "init_from": init_from})
-    launch(distributed, job, on_log)
-    final = latest_checkpoint(checkpoint_dir)
+        return run_ppo_job(job, on_log)
+    job.prompts(job.tokenizer())  # a prompt table the workers would refuse fails here, before any worker starts
+    launch(distributed, _job(distributed, _fresh(workdir), job), on_log)
+    final = latest_checkpoint(job.checkpoint_dir)
     if final is None:
-        raise RuntimeError(f"the PPO workers finished without a checkpoint in {checkpoint_dir}; see their log above")
-    models = build_models()
-    state = load_checkpoint_weights(models, config, final)
+        raise RuntimeError(f"the PPO workers finished without a checkpoint in {job.checkpoint_dir}; see their log above")
+    models = job.models(job.tokenizer())
+    state = load_checkpoint_weights(models, job.config, final)
     return models, PPORunResult(history=list(state["history"]))
 
 
@@ -163,13 +148,12 @@ def _fresh(workdir: str | os.PathLike[str]) -> Path:
     return folder
 
 
-def _job(distributed: DistributedSection, runtime: Runtime, folder: Path, stage: Literal["reward-model", "ppo"],
-         **inputs: Any) -> DistributedJob:
+def _job(distributed: DistributedSection, folder: Path, job: Job) -> DistributedJob:
     ds_config = Path(distributed.deepspeed_config).resolve()
     if not ds_config.is_file():
         raise FileNotFoundError(f"distributed.deepspeed_config {distributed.deepspeed_config!r} does not exist "
                                 f"(looked in {ds_config}); see infra/deepspeed/")
-    return DistributedJob(stage, str(folder), str(ds_config), config_to_dict(runtime), **inputs)
+    return DistributedJob(STAGES[type(job)], str(folder), str(ds_config), job_to_data(job))
 
 
 # --------------------------------------------------------------------------------------------- launching

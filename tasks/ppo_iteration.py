@@ -31,13 +31,13 @@ from rlhf_core.training.rollout import generate
 from rlhf_core.config import PPOConfig
 from rlhf_core.ranges import KeptCount
 from tasks.config import DistributedSection, PipelineConfig
-from tasks.io import read_prompts, write_frame, write_json
-from tasks.launch import run_ppo_training
-from tasks.models import build_ppo_models, config_max_positions, load_tokenizer, tokenize_prompts
+from tasks.io import write_frame, write_json
+from tasks.launch import train_ppo_job
 from tasks.plots import save_figure, training_curves
 from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput, Runtime
 from tasks.stage import Publication, Stage, StageContext, stage_task
+from tasks.training_jobs import PPOJob
 
 log = logging.getLogger(__name__)
 
@@ -129,30 +129,21 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
         init_from = str(resume_state_checkpoint(ctx.store, inputs.previous))
     elif cfg.iteration > 1:
         raise ValueError(f"iteration {cfg.iteration} continues iteration {cfg.iteration - 1}, which was not given")
-    reference_dir, reward_dir = inputs.reference.path, inputs.reward.path
-    tokenizer = load_tokenizer(reference_dir)
     prompts_file = inputs.data.path(inputs.data.result["ppo_prompts"])
-    prompts = tokenize_prompts(read_prompts(prompts_file), str(prompts_file), tokenizer,
-                               config_max_positions(reference_dir) - cfg.ppo.generation.max_new_tokens)
-    checkpoints = ctx.work / "checkpoints"
+    job = PPOJob(cfg.ppo, cfg.runtime, cfg.seed, inputs.reference.path, inputs.reward.path, str(prompts_file),
+                 target_steps, str((ctx.work / "checkpoints").resolve()), cfg.checkpoint_every, init_from)
 
     def on_log(step: int, metrics: dict[str, float]) -> None:
         ctx.tracker.log(metrics, step, to_parent=CURVE_KEYS)
 
-    def build_models() -> PPOModels:
-        return build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, reference_dir, reward_dir, tokenizer)
-
     # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/launch.py): then the
     # models are built only after the workers end, from their final checkpoint.
-    models, result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed, build_models, prompts,
-                                      target_steps, checkpoints, on_log, init_from,
-                                      {"reference_dir": reference_dir, "reward_dir": reward_dir,
-                                       "prompts_file": str(prompts_file)}, ctx.work / "distributed",
-                                      cfg.checkpoint_every)
+    models, result = train_ppo_job(job, cfg.distributed, on_log, ctx.work / "distributed")
+    tokenizer = job.tokenizer()
     ctx.resume.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(latest_checkpoint(checkpoints)), ctx.resume / CHECKPOINT_DIR)
+    shutil.move(str(latest_checkpoint(job.checkpoint_dir)), ctx.resume / CHECKPOINT_DIR)
     _save_policy(models, tokenizer, ctx.out / POLICY_DIR)
-    _write_samples(models, tokenizer, prompts, cfg, ctx.out / SAMPLES_FILE)
+    _write_samples(models, tokenizer, job.prompts(tokenizer), cfg, ctx.out / SAMPLES_FILE)
     plot = _plot_curves(result.history, ctx.out / CURVES_PNG)
     last = result.history[-1] if result.history else {}
     write_json({"iteration": cfg.iteration, "steps_done": len(result.history), "last": last}, ctx.out / METRICS_FILE)

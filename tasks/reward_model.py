@@ -44,6 +44,7 @@ from tasks.plots import loss_curve, save_figure, score_histograms
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
+from tasks.training_jobs import RewardModelJob
 from tasks.typed_yaml import one_line
 
 log = logging.getLogger(__name__)
@@ -294,10 +295,9 @@ def _fit(role: str, sft: ModelInput | None, train: Sequence[PreferencePair], eva
         elif step % FLUSH_EVERY == 0:
             log.info("reward-model %s step %d: train loss %.4f", role, step, metrics["rm/train/loss"])
 
-    model, history = fit_reward_model(cfg.distributed, cfg.runtime,
-                                      lambda: _start(cfg, role, init_dir, tokenizer, training), tokenizer, train,
-                                      evaluate_on, training, on_log, max(1, steps // EVALS_PER_TRAINING),
-                                      ctx.work / "distributed" / role)
+    job = RewardModelJob(training, cfg.runtime, tuple(train), tuple(evaluate_on), max(1, steps // EVALS_PER_TRAINING))
+    model, history = fit_reward_model(job, lambda: _start(cfg, role, init_dir, tokenizer, training), tokenizer,
+                                      cfg.distributed, on_log, ctx.work / "distributed" / role)
     ctx.tracker.flush()
     metrics = {f"rm/{role}/eval/{k}": float(v) for k, v in asdict(history.final_eval).items()}
     metrics |= {f"rm/{role}/train/final_loss": history.train_loss[-1], f"rm/{role}/train/steps": float(steps),

@@ -151,6 +151,9 @@ def build(tp: Any, value: Any, key: str, origins: Mapping[str, str]) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:  # a type with marks: a Range to hold (rlhf_core.ranges), a path mark (run_store.keys)
         if args[0] is float and any(getattr(mark, "allow_inf", False) for mark in args[1:]):
+            if value is None:  # 'no limit' is spelled inf where a setting allows it, never null
+                notes = "; ".join(mark.note for mark in args[1:] if getattr(mark, "note", ""))
+                raise bad_value(key, value, origins, f"expected a number ({notes})" if notes else "expected a number")
             result = _build_float(value, key, origins, allow_inf=True)
         else:
             result = build(args[0], value, key, origins)

@@ -77,6 +77,7 @@ def stage(size: dict[str, int], n_pairs: int, workdir: Path, hold: bool) -> dict
     from tasks import launch as launch_module
     from tasks.config import DistributedSection
     from tasks.runtime import Runtime
+    from tasks.training_jobs import RewardModelJob
     from tests.distributed.zero_cases import preference_pairs
     from tests.tiny_models import gpt2_config, word_tokenizer
 
@@ -105,9 +106,10 @@ def stage(size: dict[str, int], n_pairs: int, workdir: Path, hold: bool) -> dict
                                      num_processes=2)
     training = RewardTrainingConfig(epochs=1, batch_size=8, micro_batch_size=4, learning_rate=1e-4, max_length=32)
     started = time.monotonic()
-    model, history = launch_module.fit_reward_model(
-        distributed, Runtime("cpu", "float32"), initial, tokenizer, preference_pairs(n_pairs, 0),
-        preference_pairs(4, 1), training, lambda step, metrics: None, 1, workdir)
+    job = RewardModelJob(training, Runtime("cpu", "float32"), tuple(preference_pairs(n_pairs, 0)),
+                         tuple(preference_pairs(4, 1)), eval_every=1)
+    model, history = launch_module.fit_reward_model(job, initial, tokenizer, distributed, lambda step, metrics: None,
+                                                    workdir)
     seconds = time.monotonic() - started
     sampler.enter("done")
     sampler.running = False

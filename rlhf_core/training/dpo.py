@@ -34,11 +34,11 @@ from rlhf_core.config import DPOConfig
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_stop_and_pad
-from rlhf_core.training.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from rlhf_core.training.checkpoint import resume_checkpoint
 from rlhf_core.training.dpo_losses import PreferenceStats, ipo_loss, preference_stats, reply_logprobs, sigmoid_loss
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
 from rlhf_core.training.sft import IGNORE_INDEX, EncodedExample, LogFn, collate, encode_examples, shuffled_batches
-from rlhf_core.training.strategy import scheduled_learning_rate
+from rlhf_core.training.strategy import Strategy, scheduled_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -101,29 +101,28 @@ def evaluate_pairs(model: PreTrainedModel, pairs: Sequence[EncodedPair], ref_log
     return preference_stats(pair_losses(config, logprobs, ref_logprobs, lengths), logprobs, ref_logprobs, config.beta)
 
 
-def dpo_step(policy: PreTrainedModel, optimizer: torch.optim.Optimizer, pairs: Sequence[EncodedPair],
+def dpo_step(policy: PreTrainedModel, strategy: Strategy, pairs: Sequence[EncodedPair],
              ref_logprobs: torch.Tensor, config: DPOConfig, pad_token_id: int) -> tuple[PreferenceStats, float]:
-    """One optimizer step over ``pairs`` in micro-batches -> (stats before the step, pre-clip gradient norm).
+    """One optimizer step of ``strategy`` (which trains ``policy``) over ``pairs`` in micro-batches -> (stats before
+    the step, pre-clip gradient norm).
 
     ``ref_logprobs`` (B, 2) are the reference's log-probs of ``pairs``. NonFiniteError, before the step is applied,
     when the loss or the gradient norm is NaN or infinite.
     """
     device = next(policy.parameters()).device
-    optimizer.zero_grad(set_to_none=True)
+    strategy.zero_grad()
     losses, logprobs = [], []
     for start in range(0, len(pairs), config.micro_batch_size):
         micro = slice(start, start + config.micro_batch_size)
         micro_logprobs, lengths = pair_logprobs(policy, pairs[micro], pad_token_id)
         micro_losses = pair_losses(config, micro_logprobs, ref_logprobs[micro].to(device), lengths)
         # Divided by the WHOLE batch's pair count: micro-batching gives the gradient of one big batch.
-        (micro_losses.sum() / len(pairs)).backward()
+        strategy.backward(micro_losses.sum() / len(pairs))
         losses.append(micro_losses.detach().cpu())
         logprobs.append(micro_logprobs.detach().cpu())
     stats = preference_stats(torch.cat(losses), torch.cat(logprobs), ref_logprobs, config.beta)
     require_finite("DPO loss", stats.loss)
-    max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
-    grad_norm = require_finite("DPO gradient norm", torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
-    optimizer.step()
+    (grad_norm,) = strategy.step()
     return stats, grad_norm
 
 
@@ -192,8 +191,8 @@ def train_dpo(
         judge = policy if reference is None else reference
         ref_train = measure_logprobs(judge, train, pad, config.eval_batch_size)[0]  # before any step: the reference
         ref_eval = measure_logprobs(judge, held_out, pad, config.eval_batch_size)[0] if held_out else None
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-        start, run = _resume(checkpoint_dir, policy, optimizer)
+        strategy = scheduled_strategy(policy, config, len(plan))
+        start, run = _resume(checkpoint_dir, policy, strategy)
 
         def evaluate(step: int) -> None:
             if ref_eval is not None:
@@ -207,7 +206,7 @@ def train_dpo(
         policy.train()
         for step in range(start + 1, len(plan) + 1):
             indices = plan[step - 1]
-            stats, metrics = _step(policy, optimizer, [train[i] for i in indices], ref_train[indices], config, pad,
+            stats, metrics = _step(policy, strategy, [train[i] for i in indices], ref_train[indices], config, pad,
                                    step, len(plan))
             run.train_metrics.append(metrics)
             log(step, metrics)
@@ -217,7 +216,7 @@ def train_dpo(
                 evaluate(step)
             if checkpoint_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < len(plan):
                 # The batch plan is drawn whole from the seed, so the generator a checkpoint keeps is not needed.
-                save_checkpoint(checkpoint_dir, step, {"policy": policy}, optimizer, torch.Generator(), run.state())
+                strategy.save_checkpoint(checkpoint_dir, step, {"policy": policy}, torch.Generator(), run.state())
         evaluate(len(plan))
         final_train = evaluate_pairs(policy, train, ref_train, config, pad).to_metrics("dpo/train_eval")
     policy.eval()
@@ -227,15 +226,13 @@ def train_dpo(
                      time.perf_counter() - started)
 
 
-def _step(policy: PreTrainedModel, optimizer: torch.optim.Optimizer, pairs: list[EncodedPair],
+def _step(policy: PreTrainedModel, strategy: Strategy, pairs: list[EncodedPair],
           ref_logprobs: torch.Tensor, config: DPOConfig, pad_token_id: int, step: int,
           total_steps: int) -> tuple[PreferenceStats, dict[str, float]]:
     """Step ``step`` of the run at its scheduled learning rate -> (stats, its ``dpo/*`` metrics)."""
-    lr = learning_rate_at(config, step, total_steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    lr = strategy.learning_rate()  # this step's: the strategy moves the schedule on when it steps
     try:
-        stats, grad_norm = dpo_step(policy, optimizer, pairs, ref_logprobs, config, pad_token_id)
+        stats, grad_norm = dpo_step(policy, strategy, pairs, ref_logprobs, config, pad_token_id)
     except NonFiniteError as error:
         raise NonFiniteError(f"DPO step {step}: {error}; training stopped before applying it. Lower "
                              "dpo.learning_rate") from None
@@ -249,20 +246,13 @@ def batch_plan(n_pairs: int, config: DPOConfig) -> list[list[int]]:
     return shuffled_batches(n_pairs, config.epochs, config.batch_size, config.seed)
 
 
-def learning_rate_at(config: DPOConfig, step: int, total_steps: int) -> float:
-    """Learning rate of 1-based ``step``: linear warmup, then constant or linear decay towards 0 at the last step (the
-    schedule of every loop: :func:`rlhf_core.training.strategy.scheduled_learning_rate`)."""
-    return scheduled_learning_rate(config.learning_rate, step - 1, config.warmup_steps, config.lr_schedule,
-                                   total_steps)
-
-
-def _resume(checkpoint_dir: str | Path | None, policy: PreTrainedModel,
-            optimizer: torch.optim.Optimizer) -> tuple[int, _Run]:
-    """(step, curves so far) of the newest usable checkpoint, its weights and optimizer loaded; (0, empty) if none."""
+def _resume(checkpoint_dir: str | Path | None, policy: PreTrainedModel, strategy: Strategy) -> tuple[int, _Run]:
+    """(step, curves so far) of the newest usable checkpoint, its weights, optimizer and schedule loaded; (0, empty)
+    if none."""
     path = resume_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
     if path is None:
         return 0, _Run([], [], [])
-    state = load_checkpoint(path, {"policy": policy}, optimizer, torch.Generator())
+    state = strategy.load_checkpoint(path, {"policy": policy}, torch.Generator())
     logger.info("dpo: resuming from %s (step %d)", path, state["step"])
     return int(state["step"]), _Run(state["train_metrics"], state["eval_steps"], state["eval_metrics"])
 

@@ -25,7 +25,7 @@ from rlhf_core.ppo.losses import bradley_terry_loss
 from rlhf_core.ppo.pairwise import pairwise_accuracy, pairwise_wins
 from rlhf_core.training.guards import NonFiniteError, require_finite_weights
 from rlhf_core.training.strategy import (Strategy, StrategyFactory, TrainableGroup, local_strategy, refuse_non_finite,
-                                         weighted_shard)
+                                         schedule, weighted_shard)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def train_reward_model(
     """Train ``model`` in place with the Bradley-Terry loss; evaluate every ``eval_every`` steps and at the end.
 
     ``on_log(step, metrics)`` receives ``rm/train/loss``, ``rm/train/accuracy``, ``rm/train/grad_norm`` (before
-    clipping) each step and
+    clipping), ``rm/train/lr`` (the step's, ``config.warmup_steps`` and ``config.lr_schedule``) each step and
     ``rm/eval/*`` at each evaluation, so the caller can print progress and log to a tracker.
     ``make_strategy`` builds what applies the gradients (``rlhf_core.distributed.zero.DeepSpeedFactory``: ZeRO over
     several processes, each passing the same pairs and training on its share of every batch); None = AdamW here.
@@ -190,7 +190,9 @@ def train_reward_model(
     held_out = encode_pairs(tokenizer, eval_pairs, config.max_length, prefix) if eval_pairs else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     group = TrainableGroup(SequenceScorer(model), trainable, config.learning_rate)
-    strategy = (make_strategy or local_strategy)([group], config.weight_decay, config.max_grad_norm)
+    total_steps = config.epochs * math.ceil(len(train_pairs) / config.batch_size)
+    strategy = (make_strategy or local_strategy)([group], config.weight_decay, config.max_grad_norm,
+                                                 schedule(config, total_steps))
     (scorer,) = strategy.modules
     packed = packs_scores(model)
     result = RewardTrainingResult(n_truncated=train.n_truncated)
@@ -301,11 +303,12 @@ def _train_step(
         if counted:
             loss_sum += float(loss.detach()) * len(part)
             correct += float(pairwise_wins(chosen, rejected).sum()) if weight else 0.0
+    lr = strategy.learning_rate()  # this step's: the strategy moves the schedule on when it steps
     (grad_norm,) = strategy.step()
     n = float(len(mine)) if weight else 0.0  # a rank that only kept its collectives running counts nothing
     sums = strategy.all_sum({"loss": loss_sum if n else 0.0, "correct": correct, "n": n})
     return {"rm/train/loss": sums["loss"] / sums["n"], "rm/train/accuracy": sums["correct"] / sums["n"],
-            "rm/train/grad_norm": grad_norm}
+            "rm/train/grad_norm": grad_norm, "rm/train/lr": lr}
 
 
 def _micro_batches(data: EncodedPairs, batch: list[int], strategy: Strategy, config: RewardTrainingConfig,

@@ -24,7 +24,7 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.models.lm import dropout_override
 from rlhf_core.models.tokenizer import check_stop_and_pad
 from rlhf_core.training.guards import NonFiniteError, require_finite, require_finite_weights
-from rlhf_core.training.strategy import scheduled_learning_rate
+from rlhf_core.training.strategy import Strategy, scheduled_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def train_sft(
     log = on_log or (lambda step, metrics: None)
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     total_steps = config.epochs * steps_per_epoch
-    optimizer, scheduler = _make_optimizer(model, config, total_steps)
+    strategy = scheduled_strategy(model, config, total_steps)
     eval_steps, eval_losses, train_losses = [], [], []
 
     def evaluate(step: int) -> None:
@@ -208,13 +208,12 @@ def train_sft(
         for step, indices in enumerate(plan, start=1):
             batch = [train[i] for i in indices]
             model.train()
+            lr = strategy.learning_rate()  # this step's: the strategy moves the schedule on when it steps
             try:
-                loss, grad_norm = _train_step(model, optimizer, batch, config, tokenizer.pad_token_id)
+                loss, grad_norm = _train_step(model, strategy, batch, config, tokenizer.pad_token_id)
             except NonFiniteError as error:
                 raise NonFiniteError(f"SFT step {step}: {error}; training stopped before applying it. Lower "
                                      "sft.learning_rate") from None
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
             train_losses.append(loss)
             epoch = step / steps_per_epoch
             log(step, {"sft/train_loss": loss, "sft/lr": lr, "sft/grad_norm": grad_norm, "sft/epoch": epoch})
@@ -242,37 +241,23 @@ def shuffled_batches(n_items: int, epochs: int, batch_size: int, seed: int) -> l
 
 
 def _train_step(
-    model: PreTrainedModel, optimizer: torch.optim.Optimizer, examples: list[EncodedExample],
-    config: SFTConfig, pad_token_id: int,
+    model: PreTrainedModel, strategy: Strategy, examples: list[EncodedExample], config: SFTConfig, pad_token_id: int,
 ) -> tuple[float, float]:
-    """One optimizer step over ``examples`` in micro-batches -> (token-mean loss, pre-clip grad norm)."""
+    """One optimizer step of ``strategy`` (which trains ``model``) over ``examples`` in micro-batches -> (token-mean
+    loss, pre-clip grad norm)."""
     device = next(model.parameters()).device
     # Divide by the tokens of the WHOLE batch so micro-batching gives the same gradient as one big batch.
     n_tokens = max(sum(sum(label != IGNORE_INDEX for label in e.labels[1:]) for e in examples), 1)
-    optimizer.zero_grad(set_to_none=True)
+    strategy.zero_grad()
     total = 0.0
     for start in range(0, len(examples), config.micro_batch_size):
         batch = collate(examples[start : start + config.micro_batch_size], pad_token_id, device)
         loss_sum, _ = reply_token_loss(model, batch)
-        (loss_sum / n_tokens).backward()
+        strategy.backward(loss_sum / n_tokens)
         total += float(loss_sum.detach())
     require_finite("SFT loss", total / n_tokens)
-    max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
-    grad_norm = require_finite("SFT gradient norm", torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    optimizer.step()
+    (grad_norm,) = strategy.step()
     return total / n_tokens, grad_norm
-
-
-def _make_optimizer(
-    model: PreTrainedModel, config: SFTConfig, total_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup, then constant or linear decay (the multiplier of ``learning_rate`` per step)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-
-    def multiplier(step: int) -> float:
-        return scheduled_learning_rate(1.0, step, config.warmup_steps, config.lr_schedule, total_steps)
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def _log_progress(step: int, total: int, loss: float, started: float) -> None:

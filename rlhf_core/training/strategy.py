@@ -1,7 +1,9 @@
 """How the training loops turn losses into weight updates: in this process, or data-parallel over several.
 
-The PPO update and reward-model training call only the :class:`Strategy` interface (backward, step,
-zero_grad, and a few data-parallel questions), so the algorithm is written once. :class:`LocalStrategy` is
+Every training loop (SFT, reward model, PPO, DPO) calls only the :class:`Strategy` interface (backward, step,
+zero_grad, and a few data-parallel questions), so each algorithm is written once and the optimizer, the clipping
+and the learning-rate schedule (:func:`scheduled_learning_rate`) once for all of them. SFT and DPO run in one
+process (:func:`scheduled_strategy`); the reward model and PPO also on DeepSpeed workers. :class:`LocalStrategy` is
 one process with a torch AdamW; ``rlhf_core.distributed.zero`` builds the DeepSpeed ZeRO one (the only module
 that imports deepspeed) from the same :class:`TrainableGroup` list through a :class:`StrategyFactory`.
 
@@ -113,6 +115,36 @@ def scheduled_learning_rate(peak: float, step: int, warmup_steps: int, lr_schedu
     if lr_schedule == "constant":
         return peak
     return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+class OptimizerSettings(Protocol):
+    """The optimizer fields every training section has (``sft``, ``dpo``, ``reward_model.training``, ``ppo``)."""
+
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    """inf: no clipping."""
+    warmup_steps: int
+    lr_schedule: str
+
+
+def scheduled_strategy(model: nn.Module, settings: OptimizerSettings, total_steps: int) -> LocalStrategy:
+    """The one-process strategy of a loop that trains one model (SFT, DPO): AdamW on its trained parameters
+    (:func:`local_strategy`), gradients clipped to ``settings.max_grad_norm``, and the learning rate of
+    :func:`scheduled_learning_rate` at each of ``total_steps`` steps."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return local_strategy([TrainableGroup(model, trainable, settings.learning_rate)], settings.weight_decay,
+                          settings.max_grad_norm, schedule(settings, total_steps))
+
+
+def schedule(settings: OptimizerSettings, total_steps: int) -> LRLambda:
+    """The multiplier of the peak learning rate at each 0-based step of ``settings``' schedule over ``total_steps``
+    (what a strategy's ``lr_lambda`` takes)."""
+
+    def multiplier(step: int) -> float:
+        return scheduled_learning_rate(1.0, step, settings.warmup_steps, settings.lr_schedule, total_steps)
+
+    return multiplier
 
 
 class StrategyFactory(Protocol):

@@ -55,6 +55,21 @@ def test_reward_model_learns_planted_rule(tiny_reward_dir, tokenizer):
     assert any("rm/eval/accuracy" in metrics for _, metrics in logged)
 
 
+def test_warmup_and_linear_decay_set_each_steps_learning_rate(tiny_reward_dir, tokenizer):
+    """The reward model's schedule is the one every loop uses: 2 warm-up steps then a linear decay over 4 steps
+    gives 0.5, 1, 1, 0.5 of the peak; the default keeps the peak throughout."""
+    rates = {}
+    for schedule, warmup in (("linear", 2), ("constant", 0)):
+        logged = []
+        train_reward_model(load_reward_model(str(tiny_reward_dir)), tokenizer, planted_pairs(32, seed=0), [],
+                           RewardTrainingConfig(batch_size=8, learning_rate=0.01, warmup_steps=warmup,
+                                                lr_schedule=schedule, max_length=64),
+                           on_log=lambda step, metrics: logged.append(metrics["rm/train/lr"]))
+        rates[schedule] = logged
+    assert rates["linear"] == pytest.approx([0.005, 0.01, 0.01, 0.005])
+    assert rates["constant"] == pytest.approx([0.01] * 4)
+
+
 def test_margin_makes_the_loss_demand_a_gap(tiny_reward_dir, tokenizer):
     """With use_margin, a pair whose scores differ by less than its margin still has a large loss."""
     model = load_reward_model(str(tiny_reward_dir))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,17 +18,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf_core.config import PPOConfig, RewardTrainingConfig
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, latest_checkpoint
-from rlhf_core.training.ppo_loop import train_ppo
 from tasks import launch as launch_module
-from tasks import ppo_iteration, reward_model
+from tasks import ppo_iteration, reward_model, training_jobs
 from tasks.config import ConfigError, DistributedSection, PipelineConfig, load_config
-from tasks.distributed_train import job_settings
-from tasks.io import read_prompts
-from tasks.launch import DistributedJob, _MetricsFollower, fit_reward_model, launch_command, run_ppo_training
-from tasks.models import build_ppo_models, max_positions, tokenize_prompts
-from tasks.runtime import Runtime
+from tasks.launch import DistributedJob, _MetricsFollower, fit_reward_model, launch_command, train_ppo_job
+from tasks.training_jobs import PPOJob, RewardModelJob, run_ppo_job
 from tests.distributed.zero_cases import preference_pairs
 from tests.tiny_models import gpt2_config, save_ppo_inputs, word_tokenizer
 
@@ -116,29 +112,40 @@ def test_in_process_by_default() -> None:
 
 
 def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them(
-        tmp_path: Path, written_jobs: list[DistributedJob]) -> None:
+        tmp_path: Path, written_jobs: list[DistributedJob], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ppo_iteration.Config.of(pipeline_config("ppo.kl.coef=0.125"), 1)
-    inputs = {"reference_dir": "sft", "reward_dir": "rm", "prompts_file": "prompts.parquet"}
+    saved = save_ppo_inputs(tmp_path, PROMPTS)
     built = []
+    monkeypatch.setattr(training_jobs, "build_ppo_models", lambda *args, **kwargs: built.append(1))
+    job = PPOJob(cfg.ppo, cfg.runtime, 7, saved["sft"], saved["rm"], saved["prompts"], 2,
+                 str(tmp_path / "checkpoints"), checkpoint_every=1)
     with pytest.raises(_Launched):  # the stage builds no model before its workers have ended
-        run_ppo_training(cfg.ppo, cfg.runtime, 7, cfg.distributed, lambda: built.append(1), [], 2,  # type: ignore
-                         tmp_path / "checkpoints", lambda step, metrics: None, None, inputs, tmp_path / "job",
-                         checkpoint_every=1)
+        train_ppo_job(job, cfg.distributed, lambda step, metrics: None, tmp_path / "job")
     assert built == []
     written = json.loads((tmp_path / "job" / "job.json").read_text())
-    assert written["stage"] == "ppo" and written["ppo"]["config"]["kl"]["coef"] == 0.125
-    assert written["ppo"]["config"]["total_updates"] == cfg.ppo.total_updates  # the slice's, not re-derived
-    assert {k: written["ppo"][k] for k in ("seed", "n_updates", "checkpoint_every", "init_from", *inputs)} == {
-        "seed": 7, "n_updates": 2, "checkpoint_every": 1, "init_from": None, **inputs}
+    assert written["stage"] == "ppo" and written["job"]["config"]["kl"]["coef"] == 0.125
+    assert written["job"]["config"]["total_updates"] == cfg.ppo.total_updates  # the slice's, not re-derived
+    assert {k: written["job"][k] for k in ("seed", "n_updates", "checkpoint_every", "init_from", "reference_dir")} == {
+        "seed": 7, "n_updates": 2, "checkpoint_every": 1, "init_from": None, "reference_dir": saved["sft"]}
+    assert written["job"]["runtime"] == {"device": "cpu", "dtype": "float32"}
     assert written["deepspeed_config"] == str(Path("infra/deepspeed/zero2.json").resolve())
     assert not list((tmp_path / "job").glob("*.yaml"))  # the settings travel in the job, not as a second file
-    job = DistributedJob.read(tmp_path / "job" / "job.json")
-    assert job == written_jobs[0]
-    assert job_settings(PPOConfig, job.ppo["config"], "ppo", job) == cfg.ppo
-    assert job_settings(Runtime, job.runtime, "runtime", job) == cfg.runtime == Runtime("cpu", "float32")
-    job.ppo["config"]["kl"]["coeff"] = 0.1
-    with pytest.raises(ConfigError, match=r"'ppo\.kl\.coeff' \(from .*/job/job\.json\)"):
-        job_settings(PPOConfig, job.ppo["config"], "ppo", job)
+    read = DistributedJob.read(tmp_path / "job" / "job.json")
+    assert read == written_jobs[0]
+    assert read.training() == job  # what the workers run is what the stage built
+    read.job["config"]["kl"]["coeff"] = 0.1
+    with pytest.raises(ConfigError, match=r"'job\.config\.kl\.coeff' \(from .*/job/job\.json\)"):
+        read.training()
+
+
+def test_a_prompt_table_the_workers_would_refuse_fails_before_any_worker_starts(
+        tmp_path: Path, written_jobs: list[DistributedJob]) -> None:
+    cfg = ppo_iteration.Config.of(pipeline_config("ppo.generation.max_new_tokens=60"), 1)
+    saved = save_ppo_inputs(tmp_path, [" ".join(["the"] * 40)])
+    job = PPOJob(cfg.ppo, cfg.runtime, 7, saved["sft"], saved["rm"], saved["prompts"], 2, str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="longer than .* tokens"):
+        train_ppo_job(job, cfg.distributed, lambda step, metrics: None, tmp_path / "job")
+    assert written_jobs == []
 
 
 def test_reward_job_carries_the_training_settings_and_the_pairs(tmp_path: Path,
@@ -153,18 +160,18 @@ def test_reward_job_carries_the_training_settings_and_the_pairs(tmp_path: Path,
         built.append(weakref.ref(model))
         return model
 
+    job = RewardModelJob(cfg.reward_model.training, cfg.runtime, tuple(train), tuple(evaluate_on), eval_every=3)
     with pytest.raises(_Launched):
-        fit_reward_model(cfg.distributed, cfg.runtime, initial, word_tokenizer(), train, evaluate_on,
-                         cfg.reward_model.training, lambda step, metrics: None, 3, tmp_path / "rm")
-    (job,) = written_jobs
+        fit_reward_model(job, initial, word_tokenizer(), cfg.distributed, lambda step, metrics: None, tmp_path / "rm")
+    (written,) = written_jobs
     assert len(built) == 1 and built[0]() is None  # saved for the workers, then dropped before they started
-    assert job.stage == "reward-model" and job.reward["eval_every"] == 3
-    assert job_settings(RewardTrainingConfig, job.reward["training"], "reward_model.training", job) == \
-        cfg.reward_model.training
-    pairs = json.loads(Path(job.reward["pairs_file"]).read_text())
-    assert (len(pairs["train"]), len(pairs["eval"])) == (6, 2) and pairs["train"][0]["chosen"] == train[0].chosen
-    assert (Path(job.reward["model_dir"]) / "config.json").is_file()  # the initial weights, with the tokenizer
-    assert (Path(job.reward["model_dir"]) / "tokenizer.json").is_file()
+    assert written.stage == "reward-model" and written.job["eval_every"] == 3
+    assert written.job["training"]["learning_rate"] == 0.02
+    assert (len(written.job["train"]), len(written.job["evaluate_on"])) == (6, 2)
+    assert written.job["train"][0]["chosen"] == train[0].chosen
+    assert DistributedJob.read(written.path).training() == job
+    assert (tmp_path / "rm" / "initial" / "config.json").is_file()  # the initial weights, with the tokenizer
+    assert (tmp_path / "rm" / "initial" / "tokenizer.json").is_file()
 
 
 def test_metrics_follower_passes_only_complete_lines(tmp_path: Path) -> None:
@@ -207,11 +214,11 @@ def test_reward_model_training_on_two_torchrun_workers_matches_in_process(tmp_pa
     training = cfg.reward_model.training
     train, evaluate_on = preference_pairs(40, 0), preference_pairs(8, 1)
     local_log, launched_log = [], []
-    one, local = fit_reward_model(None, cfg.runtime, reward_model_to_train, word_tokenizer(), train,
-                                  evaluate_on, training, lambda s, m: local_log.append((s, m)), 2, tmp_path / "unused")
-    two, launched = fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train, word_tokenizer(),
-                                     train, evaluate_on, training, lambda s, m: launched_log.append((s, m)), 2,
-                                     tmp_path / "rm")
+    job = RewardModelJob(training, cfg.runtime, tuple(train), tuple(evaluate_on), eval_every=2)
+    one, local = fit_reward_model(job, reward_model_to_train, word_tokenizer(), None,
+                                  lambda s, m: local_log.append((s, m)), tmp_path / "unused")
+    two, launched = fit_reward_model(job, reward_model_to_train, word_tokenizer(), cfg.distributed,
+                                     lambda s, m: launched_log.append((s, m)), tmp_path / "rm")
 
     assert (tmp_path / "rm" / "job.json").is_file() and not (tmp_path / "unused").exists()
     assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
@@ -237,11 +244,11 @@ def test_the_deepspeed_launcher_starts_the_workers_of_a_one_host_hostfile(tmp_pa
     cfg = reward_model.Config.of(pipeline_config("distributed.launcher=deepspeed",
                                                  f"distributed.hostfile={tmp_path / 'hostfile'}"))
     train, evaluate_on, steps = preference_pairs(16, 0), preference_pairs(4, 1), []
-    _, local = fit_reward_model(None, cfg.runtime, reward_model_to_train, word_tokenizer(), train, evaluate_on,
-                                cfg.reward_model.training, lambda s, m: None, 1, tmp_path / "unused")
-    _, launched = fit_reward_model(cfg.distributed, cfg.runtime, reward_model_to_train, word_tokenizer(), train,
-                                   evaluate_on, cfg.reward_model.training, lambda s, m: steps.append(s), 1,
-                                   tmp_path / "rm")
+    job = RewardModelJob(cfg.reward_model.training, cfg.runtime, tuple(train), tuple(evaluate_on), eval_every=1)
+    _, local = fit_reward_model(job, reward_model_to_train, word_tokenizer(), None, lambda s, m: None,
+                                tmp_path / "unused")
+    _, launched = fit_reward_model(job, reward_model_to_train, word_tokenizer(), cfg.distributed,
+                                   lambda s, m: steps.append(s), tmp_path / "rm")
     assert steps and steps == sorted(steps)  # rank 0's metric lines reached the stage
     assert launched.train_loss == pytest.approx(local.train_loss, abs=1e-5)
     assert launched.final_eval.loss == pytest.approx(local.final_eval.loss, abs=1e-5)
@@ -252,26 +259,15 @@ def test_the_deepspeed_launcher_starts_the_workers_of_a_one_host_hostfile(tmp_pa
 def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path: Path, zero: str) -> None:
     """ZeRO-3 (with a critic): the workers load the policy and the critic's reward model partitioned, the reference
     and the scorer whole, each on its own."""
-    tokenizer = word_tokenizer()
     saved = save_ppo_inputs(tmp_path, PROMPTS)
     config = pipeline_config(f"distributed.deepspeed_config={deepspeed_config(zero, tmp_path)}",
                              *(["ppo.value_model=critic"] if zero == "zero3" else []))
     cfg = ppo_iteration.Config.of(config, 1)
-    inputs = {"reference_dir": saved["sft"], "reward_dir": saved["rm"], "prompts_file": saved["prompts"]}
-
-    def models_and_prompts():
-        models = build_ppo_models(cfg.ppo, cfg.runtime, cfg.seed, inputs["reference_dir"], inputs["reward_dir"],
-                                  tokenizer)
-        prompts = tokenize_prompts(read_prompts(inputs["prompts_file"]), inputs["prompts_file"], tokenizer,
-                                   max_positions(models.policy) - cfg.ppo.generation.max_new_tokens)
-        return models, prompts
-
-    _, prompts = models_and_prompts()
+    job = PPOJob(cfg.ppo, cfg.runtime, cfg.seed, saved["sft"], saved["rm"], saved["prompts"], 2,
+                 str(tmp_path / "checkpoints"), checkpoint_every=1)
     logged = []
-    models, result = run_ppo_training(cfg.ppo, cfg.runtime, cfg.seed, cfg.distributed,
-                                      lambda: models_and_prompts()[0], prompts, 2, tmp_path / "checkpoints",
-                                      lambda step, metrics: logged.append(step), None, inputs,
-                                      tmp_path / "distributed", checkpoint_every=1)
+    models, result = train_ppo_job(job, cfg.distributed, lambda step, metrics: logged.append(step),
+                                   tmp_path / "distributed")
 
     final = latest_checkpoint(tmp_path / "checkpoints")
     assert final.name == "step_000002"
@@ -285,4 +281,4 @@ def test_ppo_on_two_torchrun_workers_hands_back_a_deepspeed_checkpoint(tmp_path:
     assert not torch.equal(weights["transformer.h.0.mlp.c_fc.weight"], start)
     # Its optimizer state is DeepSpeed's shards: resuming it in one process fails with what to do.
     with pytest.raises(FileNotFoundError, match="same distributed settings"):
-        train_ppo(models_and_prompts()[0], prompts, cfg.ppo, 3, checkpoint_dir=tmp_path / "checkpoints")
+        run_ppo_job(replace(job, n_updates=3))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from rlhf_core.training.dpo import (batch_plan, dpo_step, encode_preferences, learning_rate_at, measure_logprobs,
+from rlhf_core.training.dpo import (batch_plan, dpo_step, encode_preferences, measure_logprobs,
                                     pair_logprobs, train_dpo)
 from rlhf_core.config import DPOConfig
 from rlhf_core.training.dpo_losses import (
@@ -23,6 +23,7 @@ from rlhf_core.training.dpo_losses import (
 from rlhf_core.training.guards import NonFiniteError
 from rlhf_core.data.records import PreferencePair
 from rlhf_core.training.sft import IGNORE_INDEX
+from rlhf_core.training.strategy import LocalStrategy, scheduled_strategy
 from tests.tiny_models import gpt2_config, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -109,6 +110,20 @@ def test_pairs_are_encoded_as_sft_demonstrations_and_scored_on_reply_tokens_only
             assert float(logprobs[0, column]) == pytest.approx(by_hand, abs=1e-5)
 
 
+def sgd(model: torch.nn.Module) -> LocalStrategy:
+    """Plain SGD with lr 1 and no clipping: a step moves the weights by minus the gradient."""
+    return LocalStrategy(torch.optim.SGD(model.parameters(), lr=1.0), None, math.inf)
+
+
+def learning_rates(config: DPOConfig, total_steps: int) -> list[float]:
+    """The learning rate of each step of the strategy a DPO run steps through."""
+    strategy, rates = scheduled_strategy(torch.nn.Linear(1, 1), config, total_steps), []
+    for _ in range(total_steps):
+        rates.append(strategy.learning_rate())
+        strategy.step()
+    return rates
+
+
 # --- the update ----------------------------------------------------------------------------------------------
 
 
@@ -122,8 +137,8 @@ def test_micro_batch_size_never_changes_the_update(loss: str) -> None:
     results = {}
     for micro in (1, 2, 4):
         model = tiny_policy()
-        config = DPOConfig(beta=0.5, loss=loss, batch_size=4, micro_batch_size=micro, max_grad_norm=None)
-        dpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), pairs, ref, config, pad)
+        config = DPOConfig(beta=0.5, loss=loss, batch_size=4, micro_batch_size=micro, max_grad_norm=math.inf)
+        dpo_step(model, sgd(model), pairs, ref, config, pad)
         results[micro] = torch.cat([p.detach().flatten() for p in model.parameters()])
     start = torch.cat([p.detach().flatten() for p in tiny_policy().parameters()])
     assert (results[4] - start).abs().max() > 1e-3  # the step moved the weights
@@ -138,15 +153,15 @@ def test_a_non_finite_loss_stops_the_step_before_it_is_applied() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     bad_ref = torch.tensor([[0.0, float("nan")], [0.0, 0.0]])
     with pytest.raises(NonFiniteError, match="DPO loss is nan"):
-        dpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), pairs, bad_ref,
+        dpo_step(model, sgd(model), pairs, bad_ref,
                  DPOConfig(batch_size=2, micro_batch_size=2), tokenizer.pad_token_id)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_schedule_and_batch_plan() -> None:
-    config = DPOConfig(learning_rate=1.0, warmup_steps=2, lr_schedule="linear")
-    assert [learning_rate_at(config, s, 6) for s in range(1, 7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
-    assert learning_rate_at(DPOConfig(learning_rate=0.3, lr_schedule="constant"), 5, 6) == 0.3
+    assert learning_rates(DPOConfig(learning_rate=1.0, warmup_steps=2, lr_schedule="linear"), 6) == \
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    assert learning_rates(DPOConfig(learning_rate=0.3, lr_schedule="constant"), 6) == [0.3] * 6
     plan = batch_plan(5, DPOConfig(batch_size=2, micro_batch_size=2, epochs=2, seed=3))
     assert [len(b) for b in plan] == [2, 2, 1, 2, 2, 1]
     first, second = [i for batch in plan[:3] for i in batch], [i for batch in plan[3:] for i in batch]

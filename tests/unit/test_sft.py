@@ -7,6 +7,7 @@ fruit and look up its colour rather than memorise whole prompts.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -27,6 +28,7 @@ from rlhf_core.training.sft import (IGNORE_INDEX, SFTResult, collate, encode_exa
                                     train_sft)
 from rlhf_core.config import SFTConfig
 from rlhf_core.training.sft import _train_step  # the accumulation logic itself is what is tested
+from rlhf_core.training.strategy import LocalStrategy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -127,8 +129,8 @@ def test_micro_batching_gives_the_same_gradient(tokenizer: PreTrainedTokenizerFa
         model = build_causal_lm(config_for_tokenizer(tokenizer, "tiny"), seed=2)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         # Plain SGD with lr 1 makes the weight change equal to minus the gradient.
-        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-        config = SFTConfig(batch_size=6, micro_batch_size=micro, max_grad_norm=None)
+        sgd = LocalStrategy(torch.optim.SGD(model.parameters(), lr=1.0), None, math.inf)
+        config = SFTConfig(batch_size=6, micro_batch_size=micro, max_grad_norm=math.inf)
         loss, _ = _train_step(model, sgd, encoded, config, tokenizer.pad_token_id)
         updates.append((loss, before - torch.cat([p.detach().flatten() for p in model.parameters()])))
     assert updates[0][1].abs().sum() > 0
