@@ -151,7 +151,8 @@ def test_reward_model_micro_batch_size_never_changes_the_update(tiny_reward_dir,
     from rlhf_core.data.records import PreferencePair
     from rlhf_core.training.strategy import TrainableGroup
 
-    def sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float) -> LocalStrategy:
+    def sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float,
+            lr_lambda: object = None) -> LocalStrategy:
         params = [p for g in groups for p in g.params]
         return LocalStrategy(torch.optim.SGD(params, lr=0.1), None, max_grad_norm, tuple(g.module for g in groups))
 

@@ -64,7 +64,8 @@ PAIRS = [PreferencePair("q " + WORDS[i % 10], " good " + " ".join(WORDS[: 1 + (i
                         margin=float(i % 3)) for i in range(16)]
 
 
-def _sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float) -> LocalStrategy:
+def _sgd(groups: list[TrainableGroup], weight_decay: float, max_grad_norm: float,
+        lr_lambda: object = None) -> LocalStrategy:
     params = [p for g in groups for p in g.params]
     return LocalStrategy(torch.optim.SGD(params, lr=0.1), None, max_grad_norm, tuple(g.module for g in groups))
 
