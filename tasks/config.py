@@ -297,7 +297,7 @@ class DistributedSection:
 
     Without ``deepspeed_config`` they train in the stage's own process (CPU or one GPU). With it, the stage
     writes a job file, starts ``num_processes`` x ``num_nodes`` workers with ``launcher``
-    (``python -m tasks.distributed_train --job ...``), follows their metrics into MLflow and continues with
+    (``python -m tasks.ppo_job --job ...`` or ``tasks.reward_job``), follows their metrics into MLflow and continues with
     the weights they trained: data-parallel DeepSpeed ZeRO, with the same stage code and the same results.
     """
 

@@ -1,11 +1,12 @@
-"""Entry point of DeepSpeed training workers: ``python -m tasks.distributed_train --job <workdir>/job.json``.
+"""What every DeepSpeed training worker does before and around its job: ``python -m tasks.ppo_job --job <job.json>``
+(or ``tasks.reward_job``) runs :func:`run_worker` with the job's class and its worker function.
 
-A stage with ``distributed.deepspeed_config`` set writes the job and starts one worker per GPU with torchrun
-or the deepspeed launcher (tasks/launch.py); run by hand, the same command joins a multi-node torchrun job.
-Every worker rebuilds the stage's training job from the file (strictly, with the config's own builder) and runs it
-with the function the in-process stage runs it with (``tasks.training_jobs``), with a DeepSpeed strategy; rank 0 writes what the stage reads back: a JSON line of metrics per step
-(``metrics.jsonl``), then the trained weights (reward model) or the final checkpoint (PPO). Workers never talk to
-MLflow: the stage process logs what rank 0 writes.
+A stage with ``distributed.deepspeed_config`` set writes the job and starts one worker per GPU with torchrun or the
+deepspeed launcher (``tasks.launch``); run by hand, the same command joins a multi-node torchrun job. Every worker
+joins the process group, rebuilds the stage's training job from the file (strictly, with the config's own builder)
+and runs it with the function the in-process stage runs it with, with a DeepSpeed strategy; rank 0 writes what the
+stage reads back: a JSON line of metrics per step (``metrics.jsonl``), then what the job's kind leaves (the trained
+weights, or the final checkpoint). Workers never talk to MLflow: the stage process logs what rank 0 writes.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlhf_core.distributed.deepspeed_config import load_deepspeed_config
-from rlhf_core.distributed.zero import DeepSpeedFactory, init_distributed, partitioned_loading
-from rlhf_core.models.roles import load_reward_model
-from tasks.launch import HISTORY_FILE, INITIAL_DIR, TRAINED_FILE, DistributedJob, reward_history_to_json
-from tasks.models import load_tokenizer
-from tasks.training_jobs import PPOJob, RewardModelJob, run_ppo_job, run_reward_job
+from rlhf_core.distributed.zero import init_distributed
+from tasks.launch import DistributedJob
+from tasks.typed_yaml import build
 
-log = logging.getLogger("tasks.distributed_train")
+J = TypeVar("J")
 
 
 class MetricsWriter:
@@ -39,9 +38,10 @@ class MetricsWriter:
             handle.write(json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one worker of a job; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.distributed_train", description=__doc__.splitlines()[0])
+def run_worker(kind: type[J], train: Callable[[DistributedJob, J, dict[str, Any], MetricsWriter | None, int], None],
+               argv: list[str] | None = None) -> int:
+    """Run one worker of a job of class ``kind`` with ``train``; returns the exit code."""
+    parser = argparse.ArgumentParser(description="one DeepSpeed worker of a stage's training job")
     parser.add_argument("--job", required=True, help="job.json written by the stage (tasks/launch.py)")
     args, _ = parser.parse_known_args(argv)  # the deepspeed launcher adds --local_rank, also in the environment
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -50,34 +50,13 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {rank}/{world_size}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     job = DistributedJob.read(args.job)
-    training = job.training()
-    deepspeed_config = load_deepspeed_config(job.deepspeed_config)
+    training = training_job(job, kind)
     on_log = MetricsWriter(Path(job.workdir) / "metrics.jsonl") if rank == 0 else None
-    if isinstance(training, PPOJob):
-        # Each rank generates its share of every rollout batch; checkpoints go where the stage reads them.
-        run_ppo_job(training, on_log, DeepSpeedFactory(deepspeed_config, training.config.micro_batch_size),
-                    lambda folder: partitioned_loading(deepspeed_config, folder, training.runtime.torch_dtype))
-    else:
-        train_reward(job, training, deepspeed_config, on_log, world_size)
+    train(job, training, load_deepspeed_config(job.deepspeed_config), on_log, world_size)
     return 0
 
 
-def train_reward(job: DistributedJob, training: RewardModelJob, deepspeed_config: dict[str, Any],
-                 on_log: MetricsWriter | None, world_size: int) -> None:
-    """The reward-model job on this rank's share of every batch; rank 0 (the one with ``on_log``) saves the weights
-    and the history."""
-    folder, runtime, cfg = Path(job.workdir), training.runtime, training.training
-    initial = folder / INITIAL_DIR
-    with partitioned_loading(deepspeed_config, str(initial), runtime.torch_dtype) as partitioned:
-        model = load_reward_model(str(initial), runtime.torch_dtype)  # ZeRO-3: each rank holds its shard only
-    model = model if partitioned else model.to(runtime.torch_device)
-    share = math.ceil(cfg.batch_size / world_size)  # pairs per process and step; micro_batch_size of them per forward
-    factory = DeepSpeedFactory(deepspeed_config, micro_batch_size=min(share, cfg.micro_batch_size or share))
-    result = run_reward_job(training, model, load_tokenizer(initial), on_log, factory)
-    factory.built[-1].save_weights(model, folder / TRAINED_FILE)
-    if on_log is not None:
-        (folder / HISTORY_FILE).write_text(json.dumps(reward_history_to_json(result)), encoding="utf-8")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def training_job(job: DistributedJob, kind: type[J]) -> J:
+    """The stage's training job, rebuilt from ``job.json`` as strictly as a config file: a bad key or value is a
+    one-line error naming it and the file."""
+    return build(kind, dict(job.job), "job", {"job": str(job.path)})

@@ -1,18 +1,16 @@
-"""Where a stage's training runs: in the stage's process, or on DeepSpeed workers the stage launches.
+"""Launching a stage's training on DeepSpeed workers, whatever the training is.
 
-The reward-model and ppo-iteration stages build their training as one job (``tasks.training_jobs``) and hand it to
-:func:`fit_reward_model` / :func:`train_ppo_job`. Without ``distributed.deepspeed_config`` these run the job here.
-With it, the stage writes a :class:`DistributedJob` (the job as data, the DeepSpeed config), starts
-``num_processes`` x ``num_nodes`` workers (``python -m tasks.distributed_train --job <file>``) with torchrun or the
-deepspeed launcher, each running the same job, feeds the metrics rank 0 writes (one JSON line per step) to the
-stage's MLflow callback while they run, and only then builds the stage's models and loads the trained weights into
-them (the stage holds no model while its workers train): everything after the training (saving, registering,
-samples, plots) is the same code either way.
+A stage with ``distributed.deepspeed_config`` set hands its training job (``tasks.ppo_job.PPOJob``,
+``tasks.reward_job.RewardModelJob``) to :func:`launch_job`: it writes a :class:`DistributedJob` (the job as data,
+the DeepSpeed config) as ``job.json``, starts ``num_processes`` x ``num_nodes`` workers running the job's own module
+(``python -m tasks.ppo_job --job <file>``, ``tasks.reward_job``: each rebuilds the job and runs it through
+``tasks.distributed_train``) with torchrun or the deepspeed launcher, and feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow callback while they run.
+The stage holds no model while its workers train; what it does afterwards (saving, registering, samples, plots) is
+the same code as when it trains in its own process.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -26,18 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_model
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from rlhf_core.models.roles import load_reward_model
-from rlhf_core.training.checkpoint import latest_checkpoint
-from rlhf_core.training.experience import PPOModels
-from rlhf_core.training.ppo_loop import PPORunResult, load_checkpoint_weights
-from rlhf_core.training.reward_training import RewardEval, RewardTrainingResult
 from tasks.config import DistributedSection
-from tasks.training_jobs import (STAGES, Job, OnLog, PPOJob, RewardModelJob, job_from_data, job_to_data,
-                                 run_ppo_job, run_reward_job)
+from tasks.typed_yaml import config_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +33,26 @@ REPO = Path(__file__).resolve().parents[1]
 POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 10.0
 """How long the workers of a stage that ended early get between SIGTERM and SIGKILL."""
-INITIAL_DIR = "initial"
-"""reward-model: the folder of the job's workdir holding the initial model and its tokenizer."""
-TRAINED_FILE, HISTORY_FILE = "trained.safetensors", "history.json"
-"""reward-model: what rank 0 leaves in the workdir."""
+
+OnLog = Callable[[int, dict[str, float]], None]
 
 
 @dataclass(frozen=True)
 class DistributedJob:
     """A job handed to DeepSpeed workers, written as ``<workdir>/job.json``: the stage's training job as data
-    (serialized once, rebuilt strictly by :meth:`training`), never a second config file."""
+    (serialized once, rebuilt strictly by the worker), never a second config file."""
 
     stage: str
-    """'ppo' or 'reward-model' (``tasks.training_jobs.STAGES``)."""
+    """'ppo' or 'reward-model': which kind of job ``job`` is (for messages)."""
     workdir: str
-    """Folder of the job: ``job.json``, ``metrics.jsonl`` (rank 0, one line per step) and the reward model's
-    ``initial/`` folder and outputs."""
+    """Folder of the job: ``job.json``, ``metrics.jsonl`` (rank 0, one line per step) and what the job's kind keeps
+    there (the reward model's ``initial/`` folder and outputs)."""
     deepspeed_config: str
     """Absolute path of the DeepSpeed JSON."""
+    worker: str
+    """The module every worker runs (``python -m <worker> --job <job.json>``): the job's own."""
     job: dict[str, Any]
-    """The :class:`~tasks.training_jobs.PPOJob` or :class:`~tasks.training_jobs.RewardModelJob` as data."""
+    """The training job as data (``typed_yaml.config_to_dict``)."""
 
     @property
     def path(self) -> Path:
@@ -80,94 +68,40 @@ class DistributedJob:
         """The job a stage wrote."""
         return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
 
-    def training(self) -> Job:
-        """The training job, rebuilt as strictly as a config file (a bad key names this file)."""
-        return job_from_data(self.job, self.stage, str(self.path))
+
+def launch_job(distributed: DistributedSection, workdir: str | os.PathLike[str], job: Any,
+               on_log: OnLog | None) -> None:
+    """Run ``job`` (a training job dataclass: its ``kind``, and its module is the workers' entry point) on the
+    workers of ``distributed`` to the end, from the folder ``workdir`` (created; its old metrics dropped)."""
+    ds_config = Path(distributed.deepspeed_config).resolve()
+    if not ds_config.is_file():
+        raise FileNotFoundError(f"distributed.deepspeed_config {distributed.deepspeed_config!r} does not exist "
+                                f"(looked in {ds_config}); see infra/deepspeed/")
+    folder = fresh_workdir(workdir)
+    launch(distributed, DistributedJob(job.kind, str(folder), str(ds_config), type(job).__module__,
+                                       config_to_dict(job)), on_log)
 
 
-# --------------------------------------------------------------------------------------------- stage side
-
-
-def fit_reward_model(job: RewardModelJob, initial: Callable[[], PreTrainedModel], tokenizer: PreTrainedTokenizerBase,
-                     distributed: DistributedSection | None, on_log: OnLog,
-                     workdir: str | os.PathLike[str]) -> tuple[PreTrainedModel, RewardTrainingResult]:
-    """(the trained reward model, its history): ``job`` run on the model ``initial()`` builds, here (``distributed``
-    None) or on DeepSpeed workers.
-
-    Launched, the stage builds the initial model (its fresh head drawn as in this process), saves it for the
-    workers and drops it before they start, so it holds no model while they train; afterwards it rebuilds the
-    model from that folder and loads the weights rank 0 saved.
-    """
-    if distributed is None:
-        model = initial()
-        return model, run_reward_job(job, model, tokenizer, on_log)
-    folder = _fresh(workdir)
-    _save_and_drop(initial(), folder / INITIAL_DIR)  # the only reference to the model: gone after this line
-    tokenizer.save_pretrained(folder / INITIAL_DIR)
-    launch(distributed, _job(distributed, folder, job), on_log)
-    model = load_reward_model(str(folder / INITIAL_DIR), job.runtime.torch_dtype)
-    load_model(model, str(folder / TRAINED_FILE))
-    history = reward_history_from_json(json.loads((folder / HISTORY_FILE).read_text(encoding="utf-8")))
-    return model.to(job.runtime.torch_device), history
-
-
-def train_ppo_job(job: PPOJob, distributed: DistributedSection | None, on_log: OnLog,
-                  workdir: str | os.PathLike[str]) -> tuple[PPOModels, PPORunResult]:
-    """(the trained models, the run's history): ``job`` run here (``distributed`` None), or on DeepSpeed workers,
-    each building the same models and prompts from the job's folders and files.
-
-    Launched, the stage builds no model until the workers have ended; then it builds them and loads the weights of
-    the workers' final checkpoint.
-    """
-    if distributed is None:
-        return run_ppo_job(job, on_log)
-    job.prompts(job.tokenizer())  # a prompt table the workers would refuse fails here, before any worker starts
-    launch(distributed, _job(distributed, _fresh(workdir), job), on_log)
-    final = latest_checkpoint(job.checkpoint_dir)
-    if final is None:
-        raise RuntimeError(f"the PPO workers finished without a checkpoint in {job.checkpoint_dir}; see their log above")
-    models = job.models(job.tokenizer())
-    state = load_checkpoint_weights(models, job.config, final)
-    return models, PPORunResult(history=list(state["history"]))
-
-
-def _save_and_drop(model: PreTrainedModel, folder: Path) -> None:
-    """Save ``model`` (Hugging Face layout) and free it: the caller passed its only reference, which ends with this
-    call; the collector and the accelerator's cache then give its memory back before the workers start."""
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _fresh(workdir: str | os.PathLike[str]) -> Path:
+def fresh_workdir(workdir: str | os.PathLike[str]) -> Path:
+    """``workdir`` resolved and created, without the metrics of an earlier launch."""
     folder = Path(workdir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").unlink(missing_ok=True)
     return folder
 
 
-def _job(distributed: DistributedSection, folder: Path, job: Job) -> DistributedJob:
-    ds_config = Path(distributed.deepspeed_config).resolve()
-    if not ds_config.is_file():
-        raise FileNotFoundError(f"distributed.deepspeed_config {distributed.deepspeed_config!r} does not exist "
-                                f"(looked in {ds_config}); see infra/deepspeed/")
-    return DistributedJob(STAGES[type(job)], str(folder), str(ds_config), job_to_data(job))
-
-
 # --------------------------------------------------------------------------------------------- launching
 
 
-def launch_command(section: DistributedSection, job_file: Path, node_rank: int = 0,
+def launch_command(section: DistributedSection, job: DistributedJob, node_rank: int = 0,
                    port: int | None = None) -> list[str]:
-    """The command line that starts every worker of ``job_file``: on node ``node_rank`` for torchrun (run once per
+    """The command line that starts every worker of ``job`` (written as ``job.path``): on node ``node_rank`` for torchrun (run once per
     node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per node); ``port``: the
     rendezvous port (``section.master_port`` when None; one of them must be set)."""
     port = port or section.master_port
     if port is None:
         raise ValueError("launch_command needs a rendezvous port: distributed.master_port or one chosen (free_port)")
-    worker = ["-m", "tasks.distributed_train", "--job", str(job_file)]
+    worker = ["-m", job.worker, "--job", str(job.path)]
     if section.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={section.num_processes}",
                 f"--nnodes={section.num_nodes}", f"--node-rank={node_rank}", f"--master-addr={section.master_addr}",
@@ -180,7 +114,7 @@ def launch_command(section: DistributedSection, job_file: Path, node_rank: int =
         command.append(f"--hostfile={section.hostfile}")
     if section.num_nodes == 1:  # one host starts locally; the runner's ssh check of a hostfile's host is moot
         command.append("--no_ssh_check")
-    return [*command, "--module", "tasks.distributed_train", "--job", str(job_file)]
+    return [*command, "--module", job.worker, "--job", str(job.path)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -197,12 +131,12 @@ def launch(section: DistributedSection, job: DistributedJob, on_log: OnLog | Non
     error, a cancelled or timed-out run, Ctrl-C), the whole group gets SIGTERM, then SIGKILL after
     ``STOP_GRACE_SECONDS``, so no worker keeps holding a device or the rendezvous port for the retry.
     """
-    job_file = job.write()
+    job.write()
     port = section.master_port or free_port()
-    command = launch_command(section, job_file, port=port)
+    command = launch_command(section, job, port=port)
     if section.launcher == "torchrun" and section.num_nodes > 1:
         for node in range(1, section.num_nodes):
-            log.info("start node %d with: %s", node, " ".join(launch_command(section, job_file, node, port)))
+            log.info("start node %d with: %s", node, " ".join(launch_command(section, job, node, port)))
     log.info("launching %s training on %d process(es): %s", job.stage, section.num_processes * section.num_nodes,
              " ".join(command))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -276,16 +210,3 @@ class _MetricsFollower:
         for line in complete.decode("utf-8").splitlines():
             record = json.loads(line)
             self.on_log(int(record["step"]), record["metrics"])
-
-
-def reward_history_to_json(result: RewardTrainingResult) -> dict[str, Any]:
-    """A training history as plain data (the workers' ``history.json``)."""
-    return {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy, "n_truncated": result.n_truncated,
-            "seconds": result.seconds, "evals": [[step, asdict(evaluation)] for step, evaluation in result.evals]}
-
-
-def reward_history_from_json(data: dict[str, Any]) -> RewardTrainingResult:
-    """Inverse of :func:`reward_history_to_json`."""
-    return RewardTrainingResult(train_loss=list(data["train_loss"]), train_accuracy=list(data["train_accuracy"]),
-                                evals=[(int(step), RewardEval(**values)) for step, values in data["evals"]],
-                                n_truncated=int(data["n_truncated"]), seconds=float(data["seconds"]))

@@ -32,12 +32,11 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.ranges import KeptCount
 from tasks.config import DistributedSection, PipelineConfig
 from tasks.io import write_frame, write_json
-from tasks.launch import train_ppo_job
 from tasks.plots import save_figure, training_curves
+from tasks.ppo_job import PPOJob, train_ppo_job
 from tasks.run_store import Artifact, RunStore
 from tasks.runtime import ModelInput, Runtime
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.training_jobs import PPOJob
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ def compute(cfg: Config, inputs: Inputs, ctx: StageContext) -> Result:
     def on_log(step: int, metrics: dict[str, float]) -> None:
         ctx.tracker.log(metrics, step, to_parent=CURVE_KEYS)
 
-    # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/launch.py): then the
+    # In this process, or on DeepSpeed workers when distributed.deepspeed_config is set (tasks/ppo_job.py): then the
     # models are built only after the workers end, from their final checkpoint.
     models, result = train_ppo_job(job, cfg.distributed, on_log, ctx.work / "distributed")
     tokenizer = job.tokenizer()

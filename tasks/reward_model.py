@@ -38,13 +38,12 @@ from rlhf_core.training.reward_training import RewardTrainingResult, encode_pair
 from rlhf_core.data.records import PreferencePair
 from tasks.config import DistributedSection, PipelineConfig, RewardModelSection
 from tasks.io import read_pairs, write_json, write_parquet
-from tasks.launch import fit_reward_model
 from tasks.models import load_frozen_lm, load_tokenizer, save_ensemble
 from tasks.plots import loss_curve, save_figure, score_histograms
+from tasks.reward_job import RewardModelJob, fit_reward_model
 from tasks.run_store import Artifact
 from tasks.runtime import ModelInput, Runtime, local_model
 from tasks.stage import Publication, Stage, StageContext, stage_task
-from tasks.training_jobs import RewardModelJob
 from tasks.typed_yaml import one_line
 
 log = logging.getLogger(__name__)

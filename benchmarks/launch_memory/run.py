@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.launch_memory.run --smoke    # a tiny one (~1 min: the workers' start dominates)
 
 A fresh process (this script run with ``--stage``) plays the reward-model stage: it calls
-``tasks.launch.fit_reward_model`` with ``distributed`` set (ZeRO-2, 2 CPU workers, gloo, torchrun), exactly as
+``tasks.reward_job.fit_reward_model`` with ``distributed`` set (ZeRO-2, 2 CPU workers, gloo, torchrun), exactly as
 ``tasks/reward_model.py`` does, while a thread samples its resident set size (``/proc/self/status`` VmRSS, every
 0.1 s) and the phase it is in: ``imports`` (torch + transformers + deepspeed-free stage code loaded), ``build``
 (the initial model built, saved for the workers and dropped), ``workers`` (the launch, until every worker ended),
@@ -77,7 +77,8 @@ def stage(size: dict[str, int], n_pairs: int, workdir: Path, hold: bool) -> dict
     from tasks import launch as launch_module
     from tasks.config import DistributedSection
     from tasks.runtime import Runtime
-    from tasks.training_jobs import RewardModelJob
+    from tasks import reward_job
+    from tasks.reward_job import RewardModelJob
     from tests.distributed.zero_cases import preference_pairs
     from tests.tiny_models import gpt2_config, word_tokenizer
 
@@ -108,7 +109,7 @@ def stage(size: dict[str, int], n_pairs: int, workdir: Path, hold: bool) -> dict
     started = time.monotonic()
     job = RewardModelJob(training, Runtime("cpu", "float32"), tuple(preference_pairs(n_pairs, 0)),
                          tuple(preference_pairs(4, 1)), eval_every=1)
-    model, history = launch_module.fit_reward_model(job, initial, tokenizer, distributed, lambda step, metrics: None,
+    model, history = reward_job.fit_reward_model(job, initial, tokenizer, distributed, lambda step, metrics: None,
                                                     workdir)
     seconds = time.monotonic() - started
     sampler.enter("done")

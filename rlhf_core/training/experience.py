@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -214,3 +215,39 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         logprobs=torch.cat([pad(p.logprobs, r_width, 0.0, False) for p in parts]),
         stopped=torch.cat([p.stopped for p in parts]),
     )
+
+
+def gather_scored_rollouts(
+    all_gather: Callable[[Any], list[Any]],
+    pad_token_id: int,
+    rollout: Rollout,
+    per_token: tuple[torch.Tensor, ...],
+    scores: torch.Tensor,
+) -> tuple[Rollout, tuple[torch.Tensor, ...], torch.Tensor]:
+    """Every rank's share of a scored rollout batch, concatenated in rank order (= prompt order).
+
+    per_token: (B_rank, Tr_rank) tensors (old / reference log-probs, values); responses and per-token tensors
+    are right-padded (with pad and 0) and prompts left-padded to the widest rank. scores: (B_rank,).
+    """
+    device = scores.device
+    local = (rollout.select(slice(None)), per_token, scores)
+    parts = all_gather(_to_cpu(local))
+    full = concat_rollouts([p[0] for p in parts], pad_token_id)
+    width = full.response_ids.shape[1]
+
+    def right_pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0.0)
+
+    gathered = tuple(torch.cat([right_pad(p[1][i]) for p in parts]).to(device) for i in range(len(per_token)))
+    full = Rollout(**{name: getattr(full, name).to(device) for name in vars(full)})
+    return full, gathered, torch.cat([p[2] for p in parts]).to(device)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Rollout):
+        return Rollout(**{name: value.detach().cpu() for name, value in vars(obj).items()})
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(o) for o in obj)
+    return obj

@@ -32,13 +32,12 @@ from rlhf_core.ppo.losses import ValueLossOutput, policy_loss, ppo_objective, va
 from rlhf_core.ppo.masking import masked_var
 from rlhf_core.ppo.rewards import RunningMoments
 from rlhf_core.ppo.stats import PPOStats, TimeStats, UpdateStats
-from rlhf_core.training.experience import Experience, PPOModels, collect_experience
+from rlhf_core.training.experience import Experience, PPOModels, collect_experience, gather_scored_rollouts
 from rlhf_core.training.strategy import (
     LocalStrategy,
     Strategy,
     StrategyFactory,
     TrainableGroup,
-    gather_scored_rollouts,
     local_strategy,
     refuse_non_finite,
     scheduled_learning_rate,

@@ -311,7 +311,7 @@ def test_a_bf16_encoder_reward_model_keeps_its_head_in_float32_while_it_trains(t
 
 
 def test_a_critic_is_refused_for_an_encoder_or_a_reward_model_of_another_vocabulary(tmp_path: Path):
-    from tasks.models import check_critic
+    from tasks.ppo_models import check_critic
 
     policy_tok = own_tokenizer(save_policy("gpt2", tmp_path / "policy"))
     bert = save_reward_model("bert", tmp_path / "bert")

@@ -1,4 +1,5 @@
-"""A stage's training switched to DeepSpeed workers by config alone (tasks/launch.py, tasks/distributed_train.py).
+"""A stage's training switched to DeepSpeed workers by config alone (tasks/launch.py, tasks/ppo_job.py,
+tasks/reward_job.py, tasks/distributed_train.py).
 
 The slow tests launch ``torchrun`` with 2 CPU workers (gloo) exactly as a stage does, and check what the stage
 gets back: the reward model's weights and curve equal the in-process training's (within float tolerance),
@@ -20,10 +21,13 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from rlhf_core.training.checkpoint import DEEPSPEED_DIR, latest_checkpoint
 from tasks import launch as launch_module
-from tasks import ppo_iteration, reward_model, training_jobs
+from tasks import ppo_job as ppo_job_module
+from tasks import ppo_iteration, reward_model
 from tasks.config import ConfigError, DistributedSection, PipelineConfig, load_config
-from tasks.launch import DistributedJob, _MetricsFollower, fit_reward_model, launch_command, train_ppo_job
-from tasks.training_jobs import PPOJob, RewardModelJob, run_ppo_job
+from tasks.distributed_train import training_job
+from tasks.launch import DistributedJob, _MetricsFollower, launch_command
+from tasks.ppo_job import PPOJob, run_ppo_job, train_ppo_job
+from tasks.reward_job import RewardModelJob, fit_reward_model
 from tests.distributed.zero_cases import preference_pairs
 from tests.tiny_models import gpt2_config, save_ppo_inputs, word_tokenizer
 
@@ -67,26 +71,27 @@ def written_jobs(monkeypatch: pytest.MonkeyPatch) -> list[DistributedJob]:
 def test_torchrun_command_starts_the_worker_module_on_every_process(tmp_path: Path) -> None:
     section = DistributedSection(deepspeed_config="x.json", num_processes=4, num_nodes=2, master_addr="10.0.0.1",
                                  master_port=29600)
-    command = launch_command(section, tmp_path / "job.json", node_rank=1)
+    command = launch_command(section, DistributedJob("ppo", str(tmp_path), "x.json", "tasks.ppo_job", {}), node_rank=1)
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
             "--master-port=29600"} <= set(command)
-    assert command[-4:] == ["-m", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
+    assert command[-4:] == ["-m", "tasks.ppo_job", "--job", str(tmp_path / "job.json")]
 
 
 def test_deepspeed_launcher_command_reads_the_hostfile(tmp_path: Path) -> None:
     section = DistributedSection(deepspeed_config="x.json", launcher="deepspeed", num_nodes=2, hostfile="hosts",
                                  master_port=29600)
-    command = launch_command(section, tmp_path / "job.json")
+    job = DistributedJob("reward-model", str(tmp_path), "x.json", "tasks.reward_job", {})
+    command = launch_command(section, job)
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "--hostfile=hosts" in command and "--num_nodes=2" in command
     assert "--num_gpus=1" in command  # processes per node: the runner starts them on every node itself
     assert "--master_addr=127.0.0.1" in command and "--master_port=29600" in command
     assert "--no_ssh_check" not in command  # several nodes: the runner checks it can reach them before starting
     one_host = launch_command(DistributedSection(deepspeed_config="x.json", launcher="deepspeed", hostfile="hosts",
-                                                 num_processes=2), tmp_path / "job.json", port=29601)
+                                                 num_processes=2), job, port=29601)
     assert {"--num_nodes=1", "--num_gpus=2", "--no_ssh_check", "--master_port=29601"} <= set(one_host)
-    assert command[-4:] == ["--module", "tasks.distributed_train", "--job", str(tmp_path / "job.json")]
+    assert command[-4:] == ["--module", "tasks.reward_job", "--job", str(tmp_path / "job.json")]
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -116,7 +121,7 @@ def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them
     cfg = ppo_iteration.Config.of(pipeline_config("ppo.kl.coef=0.125"), 1)
     saved = save_ppo_inputs(tmp_path, PROMPTS)
     built = []
-    monkeypatch.setattr(training_jobs, "build_ppo_models", lambda *args, **kwargs: built.append(1))
+    monkeypatch.setattr(ppo_job_module, "build_ppo_models", lambda *args, **kwargs: built.append(1))
     job = PPOJob(cfg.ppo, cfg.runtime, 7, saved["sft"], saved["rm"], saved["prompts"], 2,
                  str(tmp_path / "checkpoints"), checkpoint_every=1)
     with pytest.raises(_Launched):  # the stage builds no model before its workers have ended
@@ -124,6 +129,7 @@ def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them
     assert built == []
     written = json.loads((tmp_path / "job" / "job.json").read_text())
     assert written["stage"] == "ppo" and written["job"]["config"]["kl"]["coef"] == 0.125
+    assert written["worker"] == "tasks.ppo_job"  # the workers run the job's own module
     assert written["job"]["config"]["total_updates"] == cfg.ppo.total_updates  # the slice's, not re-derived
     assert {k: written["job"][k] for k in ("seed", "n_updates", "checkpoint_every", "init_from", "reference_dir")} == {
         "seed": 7, "n_updates": 2, "checkpoint_every": 1, "init_from": None, "reference_dir": saved["sft"]}
@@ -132,10 +138,10 @@ def test_ppo_job_carries_the_stage_settings_as_data_and_the_worker_rebuilds_them
     assert not list((tmp_path / "job").glob("*.yaml"))  # the settings travel in the job, not as a second file
     read = DistributedJob.read(tmp_path / "job" / "job.json")
     assert read == written_jobs[0]
-    assert read.training() == job  # what the workers run is what the stage built
+    assert training_job(read, PPOJob) == job  # what the workers run is what the stage built
     read.job["config"]["kl"]["coeff"] = 0.1
     with pytest.raises(ConfigError, match=r"'job\.config\.kl\.coeff' \(from .*/job/job\.json\)"):
-        read.training()
+        training_job(read, PPOJob)
 
 
 def test_a_prompt_table_the_workers_would_refuse_fails_before_any_worker_starts(
@@ -165,11 +171,11 @@ def test_reward_job_carries_the_training_settings_and_the_pairs(tmp_path: Path,
         fit_reward_model(job, initial, word_tokenizer(), cfg.distributed, lambda step, metrics: None, tmp_path / "rm")
     (written,) = written_jobs
     assert len(built) == 1 and built[0]() is None  # saved for the workers, then dropped before they started
-    assert written.stage == "reward-model" and written.job["eval_every"] == 3
+    assert written.stage == "reward-model" and written.worker == "tasks.reward_job" and written.job["eval_every"] == 3
     assert written.job["training"]["learning_rate"] == 0.02
     assert (len(written.job["train"]), len(written.job["evaluate_on"])) == (6, 2)
     assert written.job["train"][0]["chosen"] == train[0].chosen
-    assert DistributedJob.read(written.path).training() == job
+    assert training_job(DistributedJob.read(written.path), RewardModelJob) == job
     assert (tmp_path / "rm" / "initial" / "config.json").is_file()  # the initial weights, with the tokenizer
     assert (tmp_path / "rm" / "initial" / "tokenizer.json").is_file()
 

@@ -62,7 +62,7 @@ def run_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ignore_term: b
     section = DistributedSection(deepspeed_config="x.json")
     started = time.monotonic()
     try:
-        launch(section, DistributedJob("ppo", str(tmp_path), "x.json", {}), on_log)
+        launch(section, DistributedJob("ppo", str(tmp_path), "x.json", "tasks.ppo_job", {}), on_log)
     except _Stop:
         pass
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
@@ -99,11 +99,12 @@ def test_one_node_launches_pick_a_free_port_each_time_and_several_nodes_must_nam
     port = free_port()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))  # nothing listens there
-    assert f"--master-port={port}" in launch_command(section, tmp_path / "job.json", port=port)
+    job = DistributedJob("ppo", str(tmp_path), "x.json", "tasks.ppo_job", {})
+    assert f"--master-port={port}" in launch_command(section, job, port=port)
     with pytest.raises(ValueError, match="needs a rendezvous port"):
-        launch_command(section, tmp_path / "job.json")
+        launch_command(section, job)
     fixed = DistributedSection(deepspeed_config="x.json", master_port=29600)
-    assert "--master-port=29600" in launch_command(fixed, tmp_path / "job.json")
+    assert "--master-port=29600" in launch_command(fixed, job)
     with pytest.raises(ConfigError, match=r"num_nodes > 1 needs distributed.master_port") as info:
         load_config(preset="tiny", overrides=["distributed.deepspeed_config=x.json", "distributed.num_nodes=2"])
     assert "\n" not in str(info.value)

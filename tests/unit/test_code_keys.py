@@ -73,6 +73,16 @@ def test_an_edit_to_the_ppo_losses_reruns_the_training_stages_and_not_data_prep_
                                                                              "rm_refresh"}
 
 
+def test_an_edit_to_the_advantage_estimators_reruns_ppo_alone(checkout: Path):
+    """GAE and the critic-free estimators are PPO's: no other stage's code reaches them (the reward-model stage
+    launches its workers through its own job module, the shared loaders build no PPO model, and the optimizer
+    path every loop steps through holds no rollout code), so no other stage's code version changes."""
+    before = versions(checkout)
+    edit(checkout / "rlhf_core/ppo/advantages.py", "\ndef ", "\nSENTINEL = 1\n\n\ndef ")
+    after = versions(checkout)
+    assert {stage for stage in STAGES if after[stage] != before[stage]} == {"ppo_iteration"}
+
+
 def test_a_docstring_naming_a_module_adds_nothing_to_the_closure(checkout: Path):
     (checkout / "tasks/quiet_stage.py").write_text(
         '"""Runs like ``tasks.distributed_train`` would, but in process."""\n\n'
