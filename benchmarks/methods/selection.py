@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.methods.selection --state /tmp/tune2              # every completed PPO sweep
     .venv/bin/python -m benchmarks.methods.selection --state /tmp/tune2 --sweeps ID1 ID2   # these, as rounds 1, 2
+    .venv/bin/python -m benchmarks.methods.selection --state /tmp/tune2 --method dpo   # DPO's rounds (one policy each)
 
 Each completed sweep is one tuning round (oldest first). For every completed run of a round it reads the run's
 ``summary.json`` (per iteration: held-out, proxy and gold means and the mean per-sequence KL to the reference; its
@@ -133,14 +134,19 @@ def load_round(store: RunStore, record: SweepRecord, number: int) -> list[Run]:
         summary = _summary(store, cell.run_id)
         if summary is None:
             continue
-        last = max((k for k in summary["artifacts"] if k.startswith(ITERATION)),
-                   key=lambda k: int(k.removeprefix(ITERATION)))
+        last = final_policy_stage(summary["artifacts"])
         runs.append(Run(round=number, run_id=cell.run_id, seed=cell.seed, setting=setting_label(cell.setting),
                         eligible=summary.get("heldout_status", "ok") == "ok",
                         final_artifact=summary["artifacts"][last]["artifact"],
                         iterations=[{name: it[key] for name, key in METRICS.items()} for it in summary["iterations"]],
                         best_of_n=[{k: p[k] for k in ("n", "kl", "heldout", "gold")} for p in summary["best_of_n"]]))
     return runs
+
+
+def final_policy_stage(artifacts: dict[str, Any]) -> str:
+    """The stage of a run's final policy: its last PPO iteration, or 'dpo' for an offline DPO run (one policy)."""
+    iterations = [k for k in artifacts if k.startswith(ITERATION)]
+    return max(iterations, key=lambda k: int(k.removeprefix(ITERATION))) if iterations else "dpo"
 
 
 def _finite(value: float) -> float | None:
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         "all_rounds_distinct": {"runs": len(distinct(everything)), "correlations": correlations(distinct(everything))},
         "runs": run_rows(everything),
     }
-    write_result(payload, args.out or default_out("methods_selection", smoke=False))
+    name = "methods_selection" if args.method == "ppo" else f"methods_selection_{args.method}"
+    write_result(payload, args.out or default_out(name, smoke=False))
 
 
 if __name__ == "__main__":

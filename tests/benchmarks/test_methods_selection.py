@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.methods.selection import Run, choose, correlations, gold_targets, rule_scores
+from benchmarks.methods.selection import Run, choose, correlations, final_policy_stage, gold_targets, rule_scores
 
 BEST_OF_N = [{"n": 1, "kl": 0.0, "heldout": 1.0, "gold": 1.0}, {"n": 16, "kl": 2.0, "heldout": 2.0, "gold": 3.0}]
 
@@ -41,3 +41,10 @@ def test_a_rule_chooses_by_its_mean_over_eligible_runs_and_is_correlated_with_go
     assert rho["B_frontier_gain"]["gold"]["pooled"] == pytest.approx(1.0)
     assert rho["A_final"]["gold"]["pooled"] == pytest.approx(-1.0)
     assert math.isclose(rho["B_frontier_gain"]["gold"]["mean_per_seed"], 1.0)
+
+
+def test_the_final_policy_is_the_last_iteration_or_dpos_one():
+    """Iterations are compared as numbers (10 after 9), and an offline DPO run's one policy is its 'dpo' stage."""
+    ppo = {"sft": {}, "ppo-iteration-9": {}, "ppo-iteration-10": {}, "heldout-eval-10": {}}
+    assert final_policy_stage(ppo) == "ppo-iteration-10"
+    assert final_policy_stage({"sft": {}, "dpo": {}, "heldout-eval-1": {}}) == "dpo"
