@@ -4,9 +4,9 @@ A stage with ``distributed.deepspeed_config`` set hands its training job (``task
 ``tasks.reward_job.RewardModelJob``) to :func:`launch_job`: it writes a :class:`DistributedJob` (the job as data,
 the DeepSpeed config) as ``job.json``, starts ``num_processes`` x ``num_nodes`` workers running the job's own module
 (``python -m tasks.ppo_job --job <file>``, ``tasks.reward_job``: each rebuilds the job and runs it through
-``tasks.distributed_train``) with torchrun or the deepspeed launcher, and feeds the metrics rank 0 writes (one JSON line per step) to the stage's MLflow callback while they run.
-The stage holds no model while its workers train; what it does afterwards (saving, registering, samples, plots) is
-the same code as when it trains in its own process.
+``tasks.distributed_train``) with torchrun or the deepspeed launcher, and feeds the metrics rank 0 writes (one JSON
+line per step) to the stage's MLflow callback while they run. The stage holds no model while its workers train;
+what it does afterwards (saving, registering, samples, plots) is the same code as when it trains in its own process.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def fresh_workdir(workdir: str | os.PathLike[str]) -> Path:
 
 def launch_command(section: DistributedSection, job: DistributedJob, node_rank: int = 0,
                    port: int | None = None) -> list[str]:
-    """The command line that starts every worker of ``job`` (written as ``job.path``): on node ``node_rank`` for torchrun (run once per
-    node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per node); ``port``: the
+    """The command line that starts every worker of ``job`` (written as ``job.path``): on node ``node_rank`` for
+    torchrun (run once per node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per node); ``port``: the
     rendezvous port (``section.master_port`` when None; one of them must be set)."""
     port = port or section.master_port
     if port is None:

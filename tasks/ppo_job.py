@@ -4,8 +4,9 @@ The ppo-iteration stage describes its training once as a :class:`PPOJob` (settin
 to train) and hands it to :func:`train_ppo_job`: without ``distributed.deepspeed_config`` that is
 :func:`run_ppo_job` here; with it, ``tasks.launch`` writes the job as data into ``job.json`` and starts the workers
 (``python -m tasks.ppo_job --job <job.json>``), each of which rebuilds it as strictly as a config file
-(``tasks.distributed_train.run_worker``) and runs the same :func:`run_ppo_job` with a DeepSpeed strategy. Either way the same models are built from the same inputs and ``train_ppo`` runs them; the stage
-builds its models only after the workers end, from their final checkpoint.
+(``tasks.distributed_train.run_worker``) and runs the same :func:`run_ppo_job` with a DeepSpeed strategy. Either
+way the same models are built from the same inputs and ``train_ppo`` runs them; launched, the stage builds its models
+only after the workers end, from their final checkpoint.
 """
 
 from __future__ import annotations
