@@ -104,6 +104,7 @@ def _title(record: SweepRecord) -> str:
 def _params(record: SweepRecord) -> dict[str, str]:
     return {"sweep.preset": record.preset or "none", "sweep.config_file": record.config_file or "none",
             "sweep.seeds": ",".join(map(str, record.seeds)), "sweep.select": record.select,
+            "sweep.kl_budget": "none" if record.kl_budget is None else f"{record.kl_budget:g}",
             "sweep.overrides": " ".join(record.overrides) or "none", "sweep.concurrency": str(record.concurrency),
             **{f"sweep.grid.{key}": ",".join(values) for key, values in record.grid.items()}}
 
@@ -118,7 +119,7 @@ def _report(store: RunStore, record: SweepRecord, statuses: Mapping[str, str]) -
         cells.append({"setting": cell.setting, "seed": cell.seed, "run_id": cell.run_id,
                       "status": "completed" if done else statuses.get(cell.run_id, run.status),
                       "summary": json.loads(summary_file.read_text(encoding="utf-8")) if done else None})
-    return build_report(record.sweep_id, selector(record.select), cells)
+    return build_report(record.sweep_id, selector(record.select), cells, record.kl_budget)
 
 
 def _publish(store: RunStore, record: SweepRecord, report: dict[str, Any], mlflow_id: str) -> None:

@@ -8,6 +8,7 @@ its flow (``flows.sweep``) and print its report.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -36,6 +37,9 @@ def add_sweep_command(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--seeds", default="0", help="seeds, comma-separated (default 0)")
     sweep.add_argument("--select", default=DEFAULT_SELECT,
                        help=f"what names the winner: {', '.join(SELECTORS)} (default {DEFAULT_SELECT}); never gold")
+    sweep.add_argument("--kl-budget", type=float, default=None, metavar="NATS",
+                       help="settings whose mean final KL to the reference is above NATS (per reply) are not "
+                       "eligible to win: compare at a stated distance from the SFT policy (default: no budget)")
     sweep.add_argument("--concurrency", type=int, default=1, help="runs at a time (default 1)")
     sweep.add_argument("--resume", metavar="SWEEP_ID", help="continue a sweep as it was created ('latest' works)")
     sweep.add_argument("--state-dir", default=None, help="state folder (default: the config's, .rlhf_state)")
@@ -50,9 +54,12 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.kl_budget is not None and not (args.kl_budget > 0 and math.isfinite(args.kl_budget)):
+        raise ConfigError(f"--kl-budget must be a positive number of nats, got {args.kl_budget}")
     if args.resume:
-        if args.grid or args.overrides or args.config:
-            raise ConfigError("--resume continues a sweep as it was created; drop --grid, --config and KEY=VALUE")
+        if args.grid or args.overrides or args.config or args.kl_budget is not None:
+            raise ConfigError("--resume continues a sweep as it was created; drop --grid, --config, --kl-budget and "
+                              "KEY=VALUE")
         state_dir = args.state_dir or DEFAULT_STATE_DIR
         prepare_environment(state_dir)
         from tasks.run_store import RunStore
@@ -104,7 +111,7 @@ def create_sweep(args: argparse.Namespace) -> tuple[RunStore, str]:
     store = RunStore(state_dir).ensure()
     record = store.create_sweep(SweepRecord(new_run_id(), args.preset, absolute_config(args.config),
                                             list(args.overrides), grid, seeds, select.name,
-                                            concurrency=args.concurrency))
+                                            concurrency=args.concurrency, kl_budget=args.kl_budget))
     with store.hold_sweep(record.sweep_id, "rlhf sweep (creating its runs)") as sweep:
         for cell in cells:
             config = keep_credentials_out(cell.config)

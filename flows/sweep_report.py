@@ -29,16 +29,21 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float] | None:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def build_report(sweep_id: str, select: Selector, cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def build_report(sweep_id: str, select: Selector, cells: Sequence[Mapping[str, Any]],
+                 kl_budget: float | None = None) -> dict[str, Any]:
     """The report from each cell's ``{"setting", "seed", "run_id", "status", "summary"}`` (summary None unless the run
-    completed)."""
+    completed). With ``kl_budget`` (``rlhf sweep --kl-budget``), a setting whose mean final KL over its seeds is above
+    it is not eligible: the choice is made at a stated distance from the SFT policy, as methods are compared with
+    best-of-N at matched KL."""
     labels = list(dict.fromkeys(setting_label(c["setting"]) for c in cells))
     rows = [_row(label, [c for c in cells if setting_label(c["setting"]) == label], select) for label in labels]
-    eligible = [r for r in rows if r["select"] is not None]
+    for row in rows:
+        row["over_kl_budget"] = kl_budget is not None and row["kl"] is not None and row["kl"][0] > kl_budget
+    eligible = [r for r in rows if r["select"] is not None and not r["over_kl_budget"]]
     winner = max(eligible, key=lambda r: r["select"][0])["setting"] if eligible else None
     done = [c["summary"] for c in cells if c["summary"] is not None]
     return {"sweep_id": sweep_id, "select": select.name, "select_description": select.description,
-            "winner": winner, "settings": rows, "best_of_n": _best_of_n(done),
+            "kl_budget": kl_budget, "winner": winner, "settings": rows, "best_of_n": _best_of_n(done),
             "runs": [{k: c[k] for k in ("setting", "seed", "run_id", "status")} for c in cells],
             "failed": [c["run_id"] for c in cells if c["status"] != "completed"]}
 
@@ -87,7 +92,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     has_gold = any(r["gold"] is not None for r in rows)
     columns = ["proxy", "heldout", *(["gold"] if has_gold else []), "kl", "length"]
     lines = [f"**rlhf sweep {report['sweep_id']}**: winner by `{report['select']}` ({report['select_description']}; "
-             "runs the held-out RM's verdict does not pass are left out"
+             "runs the held-out RM's verdict does not pass are left out" + _budget_clause(report)
              + ("; gold is reported, never selected on" if has_gold else "") + "): "
              + (f"`{report['winner']}`" if report["winner"] else "none (no eligible run)"), "",
              "Means over seeds (sd) of the final policy. Hacking: runs flagged by the held-out RM's verdict"
@@ -98,7 +103,8 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     for r in rows:
         hacking = f"{r['hacking_heldout']}" + (f" / {r['hacking_gold']}" if has_gold else "")
         cells = [_cell(r[c], r["completed"]) for c in columns]
-        mark = " **(winner)**" if r["setting"] == report["winner"] else ""
+        mark = (" **(winner)**" if r["setting"] == report["winner"]
+                else " (over the KL budget)" if r.get("over_kl_budget") else "")
         lines.append(f"| `{r['setting']}`{mark} | {r['completed']}/{len(r['seeds'])} | " + " | ".join(cells)
                      + f" | {hacking} | {r['warn_heldout']} | {_cell(r['select'], r['completed'])} |")
     if report["best_of_n"]:
@@ -129,12 +135,17 @@ def report_text(report: Mapping[str, Any]) -> str:
         shown = "  ".join(f"{j} {_cell(best[j], best['seeds'])}" for j in ("proxy", "heldout", "gold")
                           if best[j] is not None)
         lines.append(f"best-of-{best['n']} (KL {best['kl']:.2f}): {shown}")
-    lines.append(f"winner by {report['select']} (held-out RM only; runs its verdict does not pass left out): "
-                 f"{report['winner'] or 'none'}")
+    lines.append(f"winner by {report['select']} (held-out RM only; runs its verdict does not pass left out"
+                 f"{_budget_clause(report)}): {report['winner'] or 'none'}")
     if report["failed"]:
         lines.append(f"not completed: {', '.join(report['failed'])}; continue with: rlhf sweep --resume "
                      f"{report['sweep_id']}")
     return "\n".join(lines)
+
+
+def _budget_clause(report: Mapping[str, Any]) -> str:
+    budget = report.get("kl_budget")
+    return "" if budget is None else f"; settings whose mean KL is above {budget:g} nats are not eligible"
 
 
 def winner_metrics(report: Mapping[str, Any]) -> dict[str, float]:

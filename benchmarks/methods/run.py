@@ -8,10 +8,12 @@ The protocol:
 
 1. **Tune** (``tune``): each method's grids (``TUNING``) run as `rlhf sweep` on the tuning seeds, round after round:
    a round's grid sits on top of the settings the earlier rounds chose. The sweep names the winner by ``--select``,
-   leaving out runs its verdict flags as hacking; gold is never read for this. From round 3 on the rule is
-   ``frontier`` (the held-out reward model's gain over best-of-N at the run's KL), declared before its rounds run;
-   rounds 1 and 2 chose by ``heldout`` (the final held-out mean), which ranked the settings against gold on those
-   seeds (``benchmarks/methods/selection.py``, docs/results.md). The chosen settings are written to
+   leaving out runs its verdict flags as hacking; gold is never read for this. Each rule was declared before the
+   rounds it chose: rounds 1 and 2 by ``heldout`` (the final held-out mean), round 3 by ``frontier`` (the held-out
+   reward model's gain over best-of-N at the run's KL, best-of-N continued linearly past N = 16), and from round 4
+   on by ``heldout`` within a KL budget (``--kl-budget``, default best-of-64's KL, log 64 - 63/64 = 3.17 nats:
+   settings whose mean final KL is above it are not eligible). How each rule ranked the settings against gold is in
+   ``benchmarks/methods/selection.py`` and docs/results.md. The chosen settings are written to
    ``benchmarks/results/methods_tuning.json``.
 2. **Report** (``report``): each method's chosen settings (``METHODS``, copied from the tuning result; the demo
    preset holds PPO's and DPO's) run on seeds that tuning never saw, with more evaluation prompts. Every run also
@@ -55,6 +57,10 @@ TUNING: dict[str, dict[str, Any]] = {
         # round 3, the first chosen by the frontier rule: a larger coefficient, and the rate again (rounds 1 and 2
         # had chosen the rate by the final held-out mean), with round 2's refresh after every iteration
         {"ppo.kl.coef": ["0.1", "0.2"], "ppo.learning_rate": ["1e-4", "2e-4"]},
+        # round 4, the first chosen within the KL budget: a proxy ensemble of 3 members as PPO's reward (Coste et al.
+        # 2023), their mean or mean - std; the incumbent (one proxy) competes with round 3's runs of it
+        # (`selection.py --incumbent`)
+        {"reward_model.ensemble_size": ["3"], "ppo.reward.ensemble": ["mean", "mean_minus_std"]},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
         {"dpo.beta": ["0.1", "0.3", "0.5"]},
@@ -74,16 +80,20 @@ TUNE_EVAL_PROMPTS = 256
 #: ... and of every report run: more again, so that a gap of a few tenths of gold is beyond two standard errors.
 REPORT_EVAL_PROMPTS = 512
 BEST_OF = 16
+#: The tuning rounds' KL budget from round 4 on: best-of-64's KL (nats per reply), the furthest best-of-N point
+#: measured (benchmarks/methods/frontier.py), past which best-of-N's held-out and gold curves are flat.
+KL_BUDGET = math.log(64) - 63 / 64
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
-          log: Path, select: str = "frontier") -> dict[str, Any]:
+          log: Path, select: str = "heldout", kl_budget: float | None = None) -> dict[str, Any]:
     """One `rlhf sweep`; its report (``sweep_report.json``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     grids = [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
     command = [sys.executable, "-m", "flows.cli", "sweep", "--preset", preset, "--state-dir", str(state),
-               "--seeds", seeds, "--select", select, *grids, *overrides]
+               "--seeds", seeds, "--select", select, *(["--kl-budget", str(kl_budget)] if kl_budget else []),
+               *grids, *overrides]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     line = next((ln for ln in log.read_text().splitlines() if ln.startswith("report: ")), None)
@@ -101,7 +111,7 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
         for r, grid in enumerate(spec["rounds"], 1):
             shared = [f"{k}={v}" for k, v in settings.items() if k not in grid]  # the round's grid decides its keys
             report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
-                           logs / f"tune-{method}-round{r}.log", args.select)
+                           logs / f"tune-{method}-round{r}.log", args.select, args.kl_budget)
             rounds.append(report)
             if report["winner"] is None:
                 raise RuntimeError(f"{method} round {r}: no eligible setting (every run flagged by the held-out RM)")
@@ -199,7 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", default=None, help="comma-separated (default: 0,1,2 to tune, 3,4,5,6,7 to report)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--select", default="frontier", help="the sweep's rule for tuning rounds (default frontier)")
+    parser.add_argument("--select", default="heldout", help="the sweep's rule for tuning rounds (default heldout)")
+    parser.add_argument("--kl-budget", type=float, default=KL_BUDGET,
+                        help=f"tuning rounds: settings whose mean KL is above it are not eligible (default "
+                        f"{KL_BUDGET:.2f}, best-of-64's KL; 0 = none)")
     parser.add_argument("--state-dir", type=Path, default=None, help="shared state folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--eval-prompts", type=int, default=None,

@@ -16,6 +16,10 @@ the held-out judge and KL only: never gold, never the proxy alone.
   ``B_frontier_gain_clamped``, where the frontier stays at its last (best-of-16) value past the last point.
 - ``C_efficiency``: (final held-out mean - best-of-1 held-out mean) / sqrt(final KL).
 - ``D_best_iteration``: the largest held-out mean over the run's iterations (the checkpoint one would promote).
+- ``E_kl_budget`` (declared before round 4): the final held-out mean, a setting eligible only when its mean final
+  KL over the seeds is at most ``KL_BUDGET``, best-of-64's analytic KL (log 64 - 63/64 = 3.17 nats): the furthest
+  best-of-N point measured, past which the judge's and gold's best-of-N curves are flat. Its per-run score is A's;
+  the budget acts on the choice (``rlhf sweep --select heldout --kl-budget 3.17``).
 - ``ref_lowest_kl`` (a reference, not a rule declared in advance): minus the final KL. Past best-of-N's last point
   B is the held-out mean minus a linear function of KL, so this shows how much of B is its KL term alone.
 
@@ -31,6 +35,7 @@ there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -40,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import default_out, write_result
-from benchmarks.methods.run import mean_se
+from benchmarks.methods.run import KL_BUDGET, mean_se
 from flows.sweep_plan import setting_label
 from rlhf_core.evaluation.metrics import frontier_at, spearman
 from tasks.run_store import RunStore
@@ -57,6 +62,7 @@ RULES = {
     "B_frontier_gain_clamped": "final held-out mean - best-of-N held-out frontier at the final KL (clamped at N max)",
     "C_efficiency": "(final held-out mean - best-of-1 held-out mean) / sqrt(final KL)",
     "D_best_iteration": "max over iterations of the held-out mean",
+    "E_kl_budget": "final held-out mean; settings whose mean final KL is above best-of-64's (3.17 nats) not eligible",
     "ref_lowest_kl": "reference, not a declared rule: minus the final KL (what B's frontier term alone ranks by)",
 }
 #: Gold-side quantities a rule's score is compared with (evaluation only).
@@ -96,6 +102,7 @@ def rule_scores(run: Run) -> dict[str, float]:
             "B_frontier_gain_clamped": held - frontier(run.best_of_n, "heldout", kl, clamp=True),
             "C_efficiency": (held - sft) / math.sqrt(kl),
             "D_best_iteration": max(it["heldout"] for it in run.iterations),
+            "E_kl_budget": held,
             "ref_lowest_kl": -kl}
 
 
@@ -143,6 +150,15 @@ def load_round(store: RunStore, record: SweepRecord, number: int) -> list[Run]:
     return runs
 
 
+def incumbent_runs(store: RunStore, sweep_id: str, setting: str, number: int) -> list[Run]:
+    """The completed runs of one setting of an earlier sweep, as runs of round ``number`` (labelled 'incumbent:
+    <setting>'); a setting the sweep does not hold is refused in one line."""
+    runs = [r for r in load_round(store, store.load_sweep(sweep_id), number) if r.setting == setting]
+    if not runs:
+        raise SystemExit(f"--incumbent: sweep {sweep_id} has no completed run of setting {setting!r}")
+    return [dataclasses.replace(r, setting=f"incumbent: {setting}") for r in runs]
+
+
 def final_policy_stage(artifacts: dict[str, Any]) -> str:
     """The stage of a run's final policy: its last PPO iteration, or 'dpo' for an offline DPO run (one policy)."""
     iterations = [k for k in artifacts if k.startswith(ITERATION)]
@@ -176,15 +192,20 @@ def correlations(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
 
 def choose(runs: Sequence[Run], rule: str) -> dict[str, Any]:
     """Per seed ranking of the settings by ``rule`` (best first); the setting with the best mean score over its
-    eligible runs (the sweep's protocol with the rule's score in place of the final held-out mean)."""
+    eligible runs (the sweep's protocol with the rule's score in place of the final held-out mean). Rule E leaves
+    out the settings whose mean final KL is above ``KL_BUDGET``."""
     score = {r.run_id: rule_scores(r)[rule] for r in runs}
     ranking = {str(s): [r.setting for r in sorted((r for r in runs if r.seed == s), key=lambda r: -score[r.run_id])]
                for s in sorted({r.seed for r in runs})}
     means = {name: statistics.fmean(score[r.run_id] for r in runs if r.setting == name and r.eligible)
              for name in dict.fromkeys(r.setting for r in runs)
              if any(r.setting == name and r.eligible for r in runs)}
-    chosen = max(means, key=means.__getitem__) if means else None
-    return {"chosen": chosen, "mean_score": means, "per_seed_ranking": ranking}
+    over_budget = [name for name in means
+                   if statistics.fmean(r.final["kl"] for r in runs if r.setting == name) > KL_BUDGET]
+    candidates = {name: m for name, m in means.items() if rule != "E_kl_budget" or name not in over_budget}
+    chosen = max(candidates, key=candidates.__getitem__) if candidates else None
+    return {"chosen": chosen, "mean_score": means, "per_seed_ranking": ranking,
+            **({"over_kl_budget": over_budget} if rule == "E_kl_budget" else {})}
 
 
 def setting_table(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
@@ -238,11 +259,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweeps", nargs="+", default=None,
                         help="sweep ids, one per round in order (default: every completed sweep of --method)")
     parser.add_argument("--method", default="ppo", help="the method whose completed sweeps are the rounds")
+    parser.add_argument("--incumbent", nargs=2, metavar=("SWEEP_ID", "SETTING"), default=None,
+                        help="a setting of an earlier sweep (its label, e.g. 'ppo.kl.coef=0.2 ppo.learning_rate=1e-4') "
+                        "that competes in the last round: the preset a round tries to improve on")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     store = RunStore(args.state)
     records = [store.load_sweep(s) for s in args.sweeps] if args.sweeps else method_sweeps(store, args.method)
     rounds = [load_round(store, record, number) for number, record in enumerate(records, 1)]
+    if args.incumbent:
+        rounds[-1] = incumbent_runs(store, *args.incumbent, len(rounds)) + rounds[-1]
     everything = [r for runs in rounds for r in runs]
     payload: dict[str, Any] = {
         "state_dir": str(store.root), "rules": RULES, "current_rule": CURRENT,

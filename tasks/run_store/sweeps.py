@@ -47,6 +47,8 @@ class SweepRecord:
     cells: list[SweepCell] = field(default_factory=list)
     concurrency: int = 1
     """Runs at a time."""
+    kl_budget: float | None = None
+    """Settings whose mean final KL (nats per reply) is above it are not eligible to win (None: no budget)."""
     created: str = field(default_factory=now_iso)
     status: SweepStatus = "running"
     error: str | None = None

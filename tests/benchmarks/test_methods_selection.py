@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from benchmarks.methods.selection import Run, choose, correlations, final_policy_stage, gold_targets, rule_scores
+from benchmarks.methods.selection import (KL_BUDGET, Run, choose, correlations, final_policy_stage, gold_targets,
+                                          rule_scores)
 
 BEST_OF_N = [{"n": 1, "kl": 0.0, "heldout": 1.0, "gold": 1.0}, {"n": 16, "kl": 2.0, "heldout": 2.0, "gold": 3.0}]
 
@@ -24,7 +25,8 @@ def test_rule_scores_from_the_judge_and_kl_by_hand():
     gold 5.0 at KL 4 (slope 1): gap -3.0; held at best-of-16's 3.0: -1.0."""
     scores = rule_scores(run("a", 0, heldout=2.5, kl=4.0, gold=2.0))
     assert scores == pytest.approx({"A_final": 2.5, "B_frontier_gain": -0.5, "B_frontier_gain_clamped": 0.5,
-                                    "C_efficiency": 0.75, "D_best_iteration": 2.5, "ref_lowest_kl": -4.0})
+                                    "C_efficiency": 0.75, "D_best_iteration": 2.5, "E_kl_budget": 2.5,
+                                    "ref_lowest_kl": -4.0})
     assert gold_targets(run("a", 0, heldout=2.5, kl=4.0, gold=2.0)) == pytest.approx(
         {"gold": 2.0, "gold_gap": -3.0, "gold_gap_clamped": -1.0})
 
@@ -41,6 +43,18 @@ def test_a_rule_chooses_by_its_mean_over_eligible_runs_and_is_correlated_with_go
     assert rho["B_frontier_gain"]["gold"]["pooled"] == pytest.approx(1.0)
     assert rho["A_final"]["gold"]["pooled"] == pytest.approx(-1.0)
     assert math.isclose(rho["B_frontier_gain"]["gold"]["mean_per_seed"], 1.0)
+
+
+def test_rule_e_chooses_the_best_heldout_mean_among_settings_within_best_of_64s_kl():
+    """Budget log 64 - 63/64 = 3.1745 nats. far: held-out 3.0 at KL 3.0 and 4.0 (mean 3.5: out, though one run is
+    within). near: 2.0 at KL 3.0 and 3.3 (mean 3.15: in, though one run is past). low: 1.5 at KL 1.0. A picks far,
+    E near."""
+    assert math.isclose(KL_BUDGET, 3.17451, abs_tol=1e-5)
+    runs = [run("far", 0, 3.0, 3.0, 1.0), run("far", 1, 3.0, 4.0, 1.0), run("near", 0, 2.0, 3.0, 2.0),
+            run("near", 1, 2.0, 3.3, 2.0), run("low", 0, 1.5, 1.0, 3.0), run("low", 1, 1.5, 1.0, 3.0)]
+    assert choose(runs, "A_final")["chosen"] == "far"
+    e = choose(runs, "E_kl_budget")
+    assert e["chosen"] == "near" and e["over_kl_budget"] == ["far"] and e["mean_score"]["far"] == pytest.approx(3.0)
 
 
 def test_the_final_policy_is_the_last_iteration_or_dpos_one():

@@ -99,6 +99,8 @@ def test_a_sweep_runs_its_grid_as_ordinary_runs_sharing_each_seeds_stages(tmp_pa
     (["--grid", "ppo.kl.coef"], "write KEY=V1,V2"),
     (["--grid", "ppo.kl.coef=0.1,0.1"], "lists a value twice"),
     (["--grid", "ppo.kl.coef=0.1", "--seeds", "0,x"], "--seeds '0,x'"),
+    (["--grid", "ppo.kl.coef=0.1,0.2", "--kl-budget", "0"], "--kl-budget must be a positive number of nats"),
+    (["--grid", "ppo.kl.coef=0.1,0.2", "--kl-budget", "inf"], "--kl-budget must be a positive number of nats"),
 ])
 def test_a_bad_sweep_is_refused_in_one_line_before_any_run_exists(tmp_path, capsys, args, message):
     state_dir = tmp_path / "state"

@@ -86,6 +86,26 @@ def test_frontier_selection_scores_the_heldout_gain_over_best_of_n_at_the_runs_k
     assert build_report("S", selector("frontier"), [cell("k=a", 0, no_curve, "r3")])["winner"] is None
 
 
+def test_a_kl_budget_leaves_out_settings_whose_mean_kl_is_above_it() -> None:
+    """Setting a: held-out 2.0 at KL 4.0 and 1.0 at KL 2.0 (mean 1.5 at KL 3.0). Setting b: held-out 1.2 at KL 1.0 and
+    1.4 at KL 1.5 (1.3 at 1.25). Setting c: held-out 3.0 at KL 5.0. Without a budget c wins; with 3.17 nats
+    (best-of-64's KL) c is out (5.0) and a is in (3.0: the mean counts, not a run's 4.0), so a wins; with 2.5 only b
+    is left."""
+    cells = [cell("k=a", 0, summary(0, 2.0, 1.0, 4.0), "r1"), cell("k=a", 1, summary(1, 1.0, 1.0, 2.0), "r2"),
+             cell("k=b", 0, summary(0, 1.2, 1.0, 1.0), "r3"), cell("k=b", 1, summary(1, 1.4, 1.0, 1.5), "r4"),
+             cell("k=c", 0, summary(0, 3.0, 9.0, 5.0), "r5")]
+    assert build_report("S", selector("heldout"), cells)["winner"] == "k=c"
+    report = build_report("S", selector("heldout"), cells, kl_budget=math.log(64) - 63 / 64)
+    rows = {r["setting"]: r for r in report["settings"]}
+    assert report["winner"] == "k=a" and report["kl_budget"] == pytest.approx(3.175, abs=1e-3)
+    assert [rows[f"k={k}"]["over_kl_budget"] for k in "abc"] == [False, False, True]
+    assert rows["k=c"]["select"] == (3.0, 0.0)  # its score is shown; it is not eligible
+    assert build_report("S", selector("heldout"), cells, kl_budget=2.5)["winner"] == "k=b"
+    markdown, text = report_markdown(report), report_text(report)
+    assert "`k=c` (over the KL budget)" in markdown and "mean KL is above 3.17451 nats are not eligible" in markdown
+    assert "not eligible): k=a" in text
+
+
 def test_no_eligible_setting_names_no_winner() -> None:
     cells = [cell("k=a", 0, summary(0, 1.0, 1.0, 1.0, heldout_status="hacking"), "r1")]
     report = build_report("S", selector("heldout"), cells)
