@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # long tests: in the slow run (`pytest -q -m slow`; CI runs both)
+
 REPO = Path(__file__).resolve().parents[2]
 MACHINE_KEYS = {"cpu_model", "logical_cores", "torch_threads", "ram_gib", "torch", "transformers", "trl",
                 "load_average"}

@@ -29,6 +29,8 @@ from flows.pipeline import rlhf_pipeline
 from tasks.run_store import RunStore
 from tests.tiny_models import word_tokenizer
 
+pytestmark = pytest.mark.slow  # long tests: in the slow run (`pytest -q -m slow`; CI runs both)
+
 REPO = Path(__file__).resolve().parents[2]
 #: A small tiny run: 2 PPO iterations of 2 updates, a refresh after the first.
 TINY = ["ppo.iterations=2", "ppo.updates_per_iteration=2", "ppo.checkpoint_every=1", "data.demo.n_pairs=160",

@@ -20,6 +20,8 @@ from tasks.run_store import RunStore
 from tests.flows.live_prefect import wait_for
 from tests.flows.test_kill_resume import rlhf, rlhf_env
 
+pytestmark = pytest.mark.slow  # long tests: in the slow run (`pytest -q -m slow`; CI runs both)
+
 GRID = ["--grid", "ppo.kl.coef=0.02,0.2"]
 SHARED = ["ppo.iterations=2", "refresh.enabled=false"]
 SHARED_STAGES = ("data-prep", "sft", "reward-model", "best-of-n")
