@@ -96,8 +96,8 @@ def fresh_workdir(workdir: str | os.PathLike[str]) -> Path:
 def launch_command(section: DistributedSection, job: DistributedJob, node_rank: int = 0,
                    port: int | None = None) -> list[str]:
     """The command line that starts every worker of ``job`` (written as ``job.path``): on node ``node_rank`` for
-    torchrun (run once per node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per node); ``port``: the
-    rendezvous port (``section.master_port`` when None; one of them must be set)."""
+    torchrun (run once per node), on every node of the hostfile for the deepspeed launcher (``num_processes`` per
+    node); ``port``: the rendezvous port (``section.master_port`` when None; one of them must be set)."""
     port = port or section.master_port
     if port is None:
         raise ValueError("launch_command needs a rendezvous port: distributed.master_port or one chosen (free_port)")

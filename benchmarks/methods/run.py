@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, default_out, machine, write_result
+from rlhf_core.evaluation.metrics import best_of_n_kl
 
 #: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; the critic-free
 #: estimators were not tuned yet: they run at the PPO rate of the preset before tuning.
@@ -82,7 +83,7 @@ REPORT_EVAL_PROMPTS = 512
 BEST_OF = 16
 #: The tuning rounds' KL budget from round 4 on: best-of-64's KL (nats per reply), the furthest best-of-N point
 #: measured (benchmarks/methods/frontier.py), past which best-of-N's held-out and gold curves are flat.
-KL_BUDGET = math.log(64) - 63 / 64
+KL_BUDGET = best_of_n_kl(64)
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],

@@ -200,12 +200,13 @@ def choose(runs: Sequence[Run], rule: str) -> dict[str, Any]:
     means = {name: statistics.fmean(score[r.run_id] for r in runs if r.setting == name and r.eligible)
              for name in dict.fromkeys(r.setting for r in runs)
              if any(r.setting == name and r.eligible for r in runs)}
-    over_budget = [name for name in means
-                   if statistics.fmean(r.final["kl"] for r in runs if r.setting == name) > KL_BUDGET]
-    candidates = {name: m for name, m in means.items() if rule != "E_kl_budget" or name not in over_budget}
+    budgeted = rule == "E_kl_budget"
+    over_budget = [name for name in means if budgeted
+                   and statistics.fmean(r.final["kl"] for r in runs if r.setting == name) > KL_BUDGET]
+    candidates = {name: m for name, m in means.items() if name not in over_budget}
     chosen = max(candidates, key=candidates.__getitem__) if candidates else None
     return {"chosen": chosen, "mean_score": means, "per_seed_ranking": ranking,
-            **({"over_kl_budget": over_budget} if rule == "E_kl_budget" else {})}
+            **({"over_kl_budget": over_budget} if budgeted else {})}
 
 
 def setting_table(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
