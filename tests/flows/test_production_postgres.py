@@ -170,6 +170,19 @@ def test_three_runs_at_once_and_a_retry_on_postgres_backed_mlflow_and_prefect_se
     shutil.rmtree(stack)
 
 
+def flush_prefect_workers() -> None:
+    """Deliver and stop this process's Prefect event and log workers while the server they write to is up.
+
+    A worker keeps the API address it started with: one started here (when this is the session's first flow run in
+    process) would go on sending every later test's events to this stack after its servers are stopped, and the
+    harness's drain at the end of the session would wait on them for ever. The next flow run starts fresh ones."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=120, at_exit=False)
+
+
 def _failed_run(state: Path, servers: dict[str, str], monkeypatch: pytest.MonkeyPatch):
     """A tiny pipeline run in this process against ``servers`` whose heldout-eval stage fails once; its record."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -190,8 +203,12 @@ def _failed_run(state: Path, servers: dict[str, str], monkeypatch: pytest.Monkey
     monkeypatch.setattr(tracking_setup, "_store", tracking_setup._store)  # restored after the test
     monkeypatch.setattr(tracking_setup, "_own_uri", tracking_setup._own_uri)
     with temporary_settings(updates={PREFECT_API_URL: servers["PREFECT_API_URL"]}):
-        with pytest.raises(RuntimeError, match="injected failure"):
-            rlhf_pipeline(state_dir=str(state), preset="tiny", overrides=["ppo.iterations=1", "refresh.enabled=false"])
+        try:
+            with pytest.raises(RuntimeError, match="injected failure"):
+                rlhf_pipeline(state_dir=str(state), preset="tiny",
+                              overrides=["ppo.iterations=1", "refresh.enabled=false"])
+        finally:
+            flush_prefect_workers()
     monkeypatch.setattr(tasks.stage, "run_stage", real)
     (record,) = RunStore(state).list_runs()
     assert record.status == "failed" and "injected failure" in record.error
