@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flows.commands import add_pipeline_commands
 from flows.errors import EXIT_DATA_ERROR, user_errors
+from flows.serving import add_serving_commands
 from flows.sweep_command import add_sweep_command
 from rlhf_core.data import DataError, DataPrepConfig, InputFormat
 from rlhf_core.demo.config import DemoDataConfig
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prep(subparsers)
     add_pipeline_commands(subparsers)
+    add_serving_commands(subparsers)
     add_sweep_command(subparsers)
     return parser
 

@@ -38,7 +38,7 @@ def build_report(sweep_id: str, select: Selector, cells: Sequence[Mapping[str, A
     labels = list(dict.fromkeys(setting_label(c["setting"]) for c in cells))
     rows = [_row(label, [c for c in cells if setting_label(c["setting"]) == label], select) for label in labels]
     for row in rows:
-        row["over_kl_budget"] = kl_budget is not None and row["kl"] is not None and row["kl"][0] > kl_budget
+        row["over_kl_budget"] = over_kl_budget(row["kl"][0] if row["kl"] is not None else None, kl_budget)
     eligible = [r for r in rows if r["select"] is not None and not r["over_kl_budget"]]
     winner = max(eligible, key=lambda r: r["select"][0])["setting"] if eligible else None
     done = [c["summary"] for c in cells if c["summary"] is not None]
@@ -46,6 +46,12 @@ def build_report(sweep_id: str, select: Selector, cells: Sequence[Mapping[str, A
             "kl_budget": kl_budget, "winner": winner, "settings": rows, "best_of_n": _best_of_n(done),
             "runs": [{k: c[k] for k in ("setting", "seed", "run_id", "status")} for c in cells],
             "failed": [c["run_id"] for c in cells if c["status"] != "completed"]}
+
+
+def over_kl_budget(mean_kl: float | None, kl_budget: float | None) -> bool:
+    """Whether a setting whose mean final KL over its seeds is ``mean_kl`` is out of the choice under ``kl_budget``
+    (no budget, or no KL measured: never)."""
+    return kl_budget is not None and mean_kl is not None and mean_kl > kl_budget
 
 
 def _row(label: str, cells: Sequence[Mapping[str, Any]], select: Selector) -> dict[str, Any]:

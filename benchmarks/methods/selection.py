@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks.common import default_out, write_result
 from benchmarks.methods.run import KL_BUDGET, mean_se
 from flows.sweep_plan import setting_label
+from flows.sweep_report import over_kl_budget
 from rlhf_core.evaluation.metrics import frontier_at, spearman
 from tasks.run_store import RunStore
 from tasks.run_store.sweeps import SweepRecord
@@ -201,8 +202,8 @@ def choose(runs: Sequence[Run], rule: str) -> dict[str, Any]:
              for name in dict.fromkeys(r.setting for r in runs)
              if any(r.setting == name and r.eligible for r in runs)}
     budgeted = rule == "E_kl_budget"
-    over_budget = [name for name in means if budgeted
-                   and statistics.fmean(r.final["kl"] for r in runs if r.setting == name) > KL_BUDGET]
+    over_budget = [name for name in means if budgeted and over_kl_budget(
+        statistics.fmean(r.final["kl"] for r in runs if r.setting == name), KL_BUDGET)]
     candidates = {name: m for name, m in means.items() if name not in over_budget}
     chosen = max(candidates, key=candidates.__getitem__) if candidates else None
     return {"chosen": chosen, "mean_score": means, "per_seed_ranking": ranking,

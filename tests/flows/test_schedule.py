@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from transformers import GPT2Config
 
-from flows import commands
+from flows import commands, serving
 from flows.cli import build_parser, main
 from flows.pipeline import rlhf_pipeline
 from tasks.run_store import RunRecord, RunStore
@@ -52,7 +52,7 @@ def test_a_scheduled_run_records_the_config_rlhf_run_records(tmp_path, monkeypat
     (by_run,) = RunStore(state).list_runs(reconcile=False)
 
     args = build_parser().parse_args(["schedule", "--cron", "0 3 * * *", *arguments])
-    parameters, name = commands.schedule_parameters(args)
+    parameters, name = serving.schedule_parameters(args)
     assert parameters == {"preset": "tiny", "config_file": str(tmp_path / "my.yaml"), "overrides": OVERRIDES,
                           "state_dir": str(state)}
     assert name == "tiny"
@@ -83,7 +83,7 @@ def test_a_schedule_for_a_work_pool_names_files_by_absolute_paths(tmp_path, monk
     for pool, expected in ((None, given), ("rlhf-pool", [*given, f'data.files=["{tmp_path / "pairs.jsonl"}"]'])):
         args = build_parser().parse_args(["schedule", "--cron", "0 3 * * *", "--preset", "tiny", "--state-dir",
                                           "state", *(["--pool", pool] if pool else []), *given])
-        parameters, _ = commands.schedule_parameters(args)
+        parameters, _ = serving.schedule_parameters(args)
         assert parameters["overrides"] == expected and parameters["state_dir"] == str(tmp_path / "state")
 
 

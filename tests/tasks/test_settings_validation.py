@@ -269,7 +269,7 @@ def test_a_database_uri_with_a_password_is_refused_not_recorded() -> None:
 def test_a_schedule_refuses_a_password_it_would_store_in_prefect() -> None:
     import argparse
 
-    from flows.commands import schedule_parameters
+    from flows.serving import schedule_parameters
 
     args = argparse.Namespace(config=None, preset="tiny", state_dir=None, pool=None,
                               overrides=["tracking.tracking_uri=http://ann:secret@mlflow:5000"])
