@@ -25,9 +25,11 @@ T = TypeVar("T")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The user's environment without the test session's Prefect and MLflow settings, one torch thread."""
+    """The user's environment without the test session's Prefect and MLflow settings, one torch thread; a process
+    started with it writes every thread's Python stack to its log on SIGABRT (how `stop` shows a hang)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MLFLOW_DISABLE_TELEMETRY="true", **extra)
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MLFLOW_DISABLE_TELEMETRY="true", PYTHONFAULTHANDLER="1",
+               **extra)
     return env
 
 
@@ -95,16 +97,23 @@ class Processes:
             except psutil.Error:
                 continue
 
-    def stop(self, name: str, sig: signal.Signals, timeout: float = 180) -> int:
+    def stop(self, name: str, sig: signal.Signals, timeout: float = 300) -> int:
         """Send ``sig`` to the process alone (as a user would) and wait for its exit code. (A served schedule shuts
-        its runner and its Prefect client down first: once seen taking over 60 s on a loaded 2-core machine.)"""
+        its runner and its Prefect client down first: seen taking over 60 s, and once over 180 s, on a loaded 2-core
+        machine.) A process still there after ``timeout`` gets SIGABRT, and the failure shows its threads' stacks."""
         self.note_descendants()
         process = self.started[name]
         process.send_signal(sig)
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} did not exit within {timeout} s of {sig.name}\n{self.log(name)}") from None
+            process.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER (clean_env): every thread's stack to its log
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(f"{name} did not exit within {timeout} s of {sig.name}; its stacks then:\n"
+                                 f"{self.log(name, chars=20000)}") from None
 
     def kill_all(self) -> None:
         """SIGKILL every session started here and every descendant seen; reap the started processes."""

@@ -120,7 +120,7 @@ def processes(tmp_path) -> Iterator[Processes]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_served_schedule_fires_at_its_minute_and_reuses_every_stage_of_an_earlier_run(tmp_path, processes):
     state = tmp_path / "state"
     url = start_server(processes, state)
