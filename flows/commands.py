@@ -346,4 +346,3 @@ def close_crashed(store: RunStore, records: list[RunRecord]) -> None:
         for run_id in [record.mlflow_run_id, *(s.mlflow_run_id for s in record.stages.values() if s.status == "running")]:
             if run_id:
                 tracking.end_run(run_id, "KILLED")
-

@@ -43,7 +43,6 @@ def add_serving_commands(subparsers: argparse._SubParsersAction) -> None:
     server.set_defaults(handler=_server)
 
 
-
 def schedule_parameters(args: argparse.Namespace) -> tuple[dict, str]:
     """The deployment's parameters for ``rlhf schedule`` (paths made absolute: the flow may run elsewhere), and
     the resolved config's name; the config is resolved now as ``rlhf run`` would, so mistakes fail here."""
