@@ -62,6 +62,11 @@ TUNING: dict[str, dict[str, Any]] = {
         # 2023), their mean or mean - std; the incumbent (one proxy) competes with round 3's runs of it
         # (`selection.py --incumbent`). Chosen: mean_minus_std (held-out +0.05 over the incumbent; not reported yet)
         {"reward_model.ensemble_size": ["3"], "ppo.reward.ensemble": ["mean", "mean_minus_std"]},
+        # round 5, rule E again: four times the rollouts per update at the same optimizer steps (mini-batches four
+        # times larger), against the preset (its own runs in this round). PPO reaches less proxy per nat of KL than
+        # best-of-N; if gradient noise is what spends that KL, averaging over more rollouts should buy more reward
+        # per nat (a value sets both keys as one mapping, written without spaces: a setting's name splits on them)
+        {"ppo": ['{"rollout_batch_size":64,"mini_batch_size":32}', '{"rollout_batch_size":256,"mini_batch_size":128}']},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
         {"dpo.beta": ["0.1", "0.3", "0.5"]},
