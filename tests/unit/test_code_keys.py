@@ -37,8 +37,8 @@ def test_comments_docstrings_and_layout_change_no_stage_key(checkout: Path):
     edit(checkout / "tasks/plots.py", "from __future__ import annotations\n",
          "from __future__ import annotations\n\n# A comment a reader asked for.\n")
     edit(checkout / "rlhf_core/ppo/losses.py", '"""', '"""An edited first line of the docstring.\n\n')
-    edit(checkout / "rlhf_core/config.py", '    """Longest response;', '    """The longest response;')
-    edit(checkout / "rlhf_core/config.py", "    max_new_tokens: PositiveInt = 48\n",
+    edit(checkout / "rlhf_core/config/ppo.py", '    """Longest response;', '    """The longest response;')
+    edit(checkout / "rlhf_core/config/ppo.py", "    max_new_tokens: PositiveInt = 48\n",
          "    max_new_tokens: PositiveInt = 48  # tokens, not characters\n")
     edit(checkout / "tasks/ppo_iteration.py", "\ndef ", "\n\n\ndef ")  # blank lines: layout only
     assert versions(checkout) == before
