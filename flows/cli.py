@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_prep(subparsers: argparse._SubParsersAction) -> None:
-    # Flag defaults stay None: an unset flag leaves the config's default (tasks/config.py), the single source.
+    # Flag defaults stay None: an unset flag leaves the config's default (tasks/config/), the single source.
     data, demo = DataPrepConfig(), DemoDataConfig()
     prep = subparsers.add_parser(
         "prep", help="validate, dedupe and split preference data into Parquet tables",

@@ -119,8 +119,8 @@ def test_static_cache_gives_the_dynamic_paths_samples_and_logprobs(family: str):
 
 
 def test_static_cache_is_refused_in_one_line_where_transformers_lacks_it(monkeypatch: pytest.MonkeyPatch):
-    import rlhf_core.config
+    import rlhf_core.config.ppo
 
-    monkeypatch.setattr(rlhf_core.config, "STATIC_CACHE", False)
+    monkeypatch.setattr(rlhf_core.config.ppo, "STATIC_CACHE", False)
     with pytest.raises(ValueError, match="generation.cache=static needs transformers >= 5"):
         GenerationConfig(cache="static")

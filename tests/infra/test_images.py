@@ -23,7 +23,7 @@ from tests.infra.infra_files import (
 #: What the worker image's build context must leave out, and what its install needs.
 LEFT_OUT = [".venv", ".git", ".rlhf_state", "mlruns", "flows/__pycache__/pipeline.cpython-311.pyc",
             "rlhf_pipeline.egg-info"]
-KEPT = ["pyproject.toml", "README.md", "flows/pipeline.py", "tasks/config.py", "rlhf_core/__init__.py",
+KEPT = ["pyproject.toml", "README.md", "flows/pipeline.py", "tasks/config/__init__.py", "rlhf_core/__init__.py",
         "infra/presets/demo.yaml"]
 
 
