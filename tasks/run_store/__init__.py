@@ -17,15 +17,16 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.run_store.artifacts import Artifact, ArtifactError, ArtifactPart, Claim, read_artifact
+from tasks.run_store.disk import RESERVE_BYTES, DiskReserve, write_text
+from tasks.run_store.holding import RunLockedError, StateError, refuse_if_held, sole_writer
 from tasks.run_store.keys import LocalPath, ModelSource, code_version, stage_key
 from tasks.run_store.layout import (CONFIG_FILE, FORMAT_VERSION, LOG_FILE, RUN_LOCK, SUMMARY_FILE, SWEEP_FILE,
                                    Layout, LayoutError)
@@ -37,54 +38,14 @@ from tasks.run_store.sweeps import SweepCell, SweepRecord, SweepStatus
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-RESERVE_BYTES = 1 << 20
-"""Space the state folder holds back for run records on a full disk (they are a few KiB)."""
 
-__all__ = ["LATEST", "ActiveRun", "ActiveSweep", "Artifact", "ArtifactError", "ArtifactPart", "Claim", "LocalPath",
-           "ModelSource", "ResumeStateError", "RunLockedError", "RunRecord", "RunStore", "StageEntry", "StateError",
-           "SweepCell", "SweepRecord", "code_version", "new_run_id", "stage_key"]
+__all__ = ["LATEST", "RESERVE_BYTES", "ActiveRun", "ActiveSweep", "Artifact", "ArtifactError", "ArtifactPart", "Claim",
+           "LocalPath", "ModelSource", "ResumeStateError", "RunLockedError", "RunRecord", "RunStore", "StageEntry",
+           "StateError", "SweepCell", "SweepRecord", "code_version", "new_run_id", "stage_key"]
 
 
-class StateError(LookupError):
-    """A run that is missing, unreadable or busy; the message names it and what to do."""
 
 
-class RunLockedError(StateError):
-    """Another live process holds the run (one writer per run)."""
-
-
-@contextmanager
-def _sole_writer(lock_path: Path, purpose: str, what: str) -> Iterator[None]:
-    """Hold ``lock_path`` (with a heartbeat) while inside; RunLockedError naming ``what`` ('run X') and the holder."""
-    lock = FileLock(lock_path, purpose)
-    try:
-        lock.acquire()
-    except LockBusy as busy:
-        raise _locked(what, busy.holder) from None
-    lock.start_heartbeat()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _refuse_if_held(lock_path: Path, what: str) -> None:
-    holder = holder_if_alive(lock_path)
-    if holder is not None:
-        raise _locked(what, holder)
-
-
-def _locked(what: str, holder: Holder | None) -> RunLockedError:
-    """``what`` ('run X', 'sweep Y') is held by a live process."""
-    who = holder.describe() if holder else "another process"
-    return RunLockedError(f"{what} is in use by {who}; wait for it to end, or stop that process first (a killed "
-                          "holder frees it at once)")
-
-
-def _write_text(path: Path, text: str) -> None:
-    from tasks.io import atomic_write  # the one atomic write of the project
-
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 class RunStore:
@@ -92,6 +53,7 @@ class RunStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.layout = Layout(root)
+        self.reserve = DiskReserve(self.layout.reserve, self.layout.root)
         self.moved_from: str | None = None
         """The folder's previous location when it was moved or copied since the last run (see :meth:`ensure`)."""
 
@@ -116,7 +78,7 @@ class RunStore:
         except ValueError:
             known = {}
         previous = known.get("root") if isinstance(known, dict) else None
-        self._hold_reserve()
+        self.reserve.hold()
         if previous is None:
             self.settle_move()
         elif previous != str(self.root):
@@ -125,7 +87,7 @@ class RunStore:
 
     def settle_move(self) -> None:
         """Record the folder's current place (after a move, once MLflow's local store has been rebased)."""
-        _write_text(self.layout.state_file, json.dumps({"format": FORMAT_VERSION, "root": str(self.root)}) + "\n")
+        write_text(self.layout.state_file, json.dumps({"format": FORMAT_VERSION, "root": str(self.root)}) + "\n")
         self.moved_from = None
 
     @contextmanager
@@ -187,7 +149,7 @@ class RunStore:
     def write_summary(self, run_id: str, summary: dict) -> Path:
         """The run's ``summary.json`` (written atomically); returns its path."""
         path = self.summary_file(run_id)
-        _write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
         return path
 
     def create_run(self, name: str, config_yaml: str, run_id: str | None = None,
@@ -201,7 +163,7 @@ class RunStore:
             folder.mkdir(parents=True)
         except FileExistsError:
             raise StateError(f"run {record.run_id} exists already under {self.layout.runs}") from None
-        _write_text(self.config_file(record.run_id), config_yaml)
+        write_text(self.config_file(record.run_id), config_yaml)
         self._save(record)
         return record
 
@@ -212,7 +174,7 @@ class RunStore:
         while current.with_name(f"config.{n}.yaml").exists():
             n += 1
         current.rename(current.with_name(f"config.{n}.yaml"))
-        _write_text(current, config_yaml)
+        write_text(current, config_yaml)
         return current
 
     def exists(self, run_id: str) -> bool:
@@ -252,12 +214,12 @@ class RunStore:
     @contextmanager
     def hold(self, run_id: str, purpose: str) -> Iterator[ActiveRun]:
         """Be the run's only writer while inside (with a heartbeat); RunLockedError names the live holder."""
-        with _sole_writer(self.layout.run_file(run_id, RUN_LOCK), purpose, f"run {run_id}"):
+        with sole_writer(self.layout.run_file(run_id, RUN_LOCK), purpose, f"run {run_id}"):
             yield ActiveRun(self, self.load_run(run_id))
 
     def refuse_if_held(self, run_id: str) -> None:
         """RunLockedError naming the live holder of the run, if there is one (a check before starting work)."""
-        _refuse_if_held(self.layout.run_file(run_id, RUN_LOCK), f"run {run_id}")
+        refuse_if_held(self.layout.run_file(run_id, RUN_LOCK), f"run {run_id}")
 
     def end_run(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
         """Mark a run that nobody holds any more as ``status`` (Prefect's failure / crash hooks, ``rlhf runs``).
@@ -277,7 +239,7 @@ class RunStore:
         even on a full disk (the reserve is freed for it)."""
         lock = FileLock(lock_path, purpose)
         try:
-            self._with_room(lock.acquire)
+            self.reserve.with_room(lock.acquire)
         except LockBusy:
             yield False
             return
@@ -329,12 +291,12 @@ class RunStore:
     def hold_sweep(self, sweep_id: str, purpose: str) -> Iterator[ActiveSweep]:
         """Be the sweep's only writer while inside; RunLockedError names the live holder (a second
         ``rlhf sweep --resume`` of it)."""
-        with _sole_writer(self.layout.sweep_file(sweep_id, RUN_LOCK), purpose, f"sweep {sweep_id}"):
+        with sole_writer(self.layout.sweep_file(sweep_id, RUN_LOCK), purpose, f"sweep {sweep_id}"):
             yield ActiveSweep(self, self.load_sweep(sweep_id))
 
     def refuse_sweep_if_held(self, sweep_id: str) -> None:
         """RunLockedError naming the live holder of the sweep, if there is one."""
-        _refuse_if_held(self.layout.sweep_file(sweep_id, RUN_LOCK), f"sweep {sweep_id}")
+        refuse_if_held(self.layout.sweep_file(sweep_id, RUN_LOCK), f"sweep {sweep_id}")
 
     def end_sweep(self, sweep_id: str, status: SweepStatus, error: str | None = None) -> bool:
         """Mark a sweep nobody holds any more (its flow stopped before it could) as ``status``; True when it changed."""
@@ -346,7 +308,7 @@ class RunStore:
             return True
 
     def _save_sweep(self, record: SweepRecord) -> None:
-        self._with_room(lambda: _write_text(self.layout.sweep_file(record.sweep_id), record.to_json()))
+        self.reserve.with_room(lambda: write_text(self.layout.sweep_file(record.sweep_id), record.to_json()))
 
     def _set_status(self, record: RunRecord, status: RunStatus, error: str | None = None) -> None:
         """The one place a run's status is written."""
@@ -356,37 +318,7 @@ class RunStore:
         log.debug("run %s is %s", record.run_id, status)
 
     def _save(self, record: RunRecord) -> None:
-        self._with_room(lambda: _write_text(self.layout.run_file(record.run_id), record.to_json()))
-
-    def _with_room(self, write: Callable[[], None]) -> None:
-        """``write()``; on a full disk once more after freeing the reserve (a record of how the run ended)."""
-        try:
-            write()
-        except OSError as err:
-            if err.errno != errno.ENOSPC or not self._release_reserve():
-                raise
-            write()
-
-    def _hold_reserve(self) -> None:
-        """Keep :data:`RESERVE_BYTES` allocated in the state folder (when the disk has them)."""
-        reserve = self.layout.reserve
-        if reserve.is_file() and reserve.stat().st_size >= RESERVE_BYTES:
-            return
-        try:
-            with open(reserve, "wb") as handle:
-                os.posix_fallocate(handle.fileno(), 0, RESERVE_BYTES)
-        except (OSError, AttributeError):  # a full disk, or no posix_fallocate (not Linux): go on without
-            reserve.unlink(missing_ok=True)
-
-    def _release_reserve(self) -> bool:
-        """Free the reserve on a full disk; True when there was one to free."""
-        try:
-            self.layout.reserve.unlink()
-        except FileNotFoundError:
-            return False
-        log.warning("the disk of %s is full: freed its %d KiB reserve to record the run's status; free space "
-                    "before `rlhf resume`", self.root, RESERVE_BYTES // 1024)
-        return True
+        self.reserve.with_room(lambda: write_text(self.layout.run_file(record.run_id), record.to_json()))
 
     def _read(self, path: Path) -> RunRecord:
         try:
