@@ -1,5 +1,5 @@
-"""The rm-refresh stage and its file labelling round trip, on tiny models with a planted rule, run as the flow runs
-it (tests/stage_harness.py); and the pure refresh rules (rlhf_core/training/refresh.py).
+"""The rm-refresh stage on tiny models with a planted rule, run as the flow runs it (tests/stage_harness.py). Its
+labelling round trip is in test_refresh_labelling.py, the pure refresh rules in tests/unit/test_refresh_rules.py.
 
 A judge reward model learns the rule ("good" in a reply is better, "bad" is worse). The proxy PPO would use is
 the judge with its score head negated: exactly wrong about the rule, so it orders every judged on-policy pair
@@ -9,7 +9,6 @@ on-policy pairs it never trained on; promotion then follows the held-out accurac
 
 from __future__ import annotations
 
-import csv
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,18 +21,15 @@ from mlflow import MlflowClient
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from rlhf_core.config import RewardTrainingConfig
-from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, DataError, prompt_id
+from rlhf_core.data import PPO_PROMPTS, PREFERENCE_PAIRS, prompt_id
 from rlhf_core.demo import SimulatedAnnotator
 from rlhf_core.evaluation.annotators import PerPairAnnotator, ReplyPair, RewardModelJudge
 from rlhf_core.models.roles import load_reward_model
-from rlhf_core.training.refresh import (draw_prompts, promotion, refresh_seed, replay_sample, split_by_prompt,
-                                        training_config)
 from rlhf_core.training.reward_training import train_reward_model
 from rlhf_core.data.records import PreferencePair
 from tasks import rm_refresh, tracking
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.io import read_pairs, read_parquet, write_parquet
-from tasks.labelling import export_unlabelled, import_labels
 from tasks.retries import is_transient
 from tasks.rm_refresh import Config, Inputs, LabelsPendingError, Result, build_annotator
 from tasks.run_store import Artifact
@@ -43,71 +39,6 @@ from tests.tiny_models import WORDS, gpt2_config, word_tokenizer
 
 FILLER = [w for w in WORDS if w not in ("good", "bad", "q")]
 CHAMPION = "champion"
-
-
-# --------------------------------------------------------------------------------------------- labelling
-
-
-EXPORTED = [ReplyPair("q cat", " good dog", " bad tree"), ReplyPair("q sun", " red", " blue box"),
-            ReplyPair("q why", " the mat", " a slow moon"), ReplyPair("q how", " fast\x00", " slow"),
-            ReplyPair("q sat", " big", " small")]
-
-
-@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
-def test_label_round_trip_applies_labels_to_the_exported_texts(tmp_path: Path, suffix: str) -> None:
-    exported = export_unlabelled(EXPORTED, tmp_path / f"unlabelled{suffix}")
-    frame = pd.read_csv(exported, keep_default_na=False) if suffix == ".csv" else pd.read_parquet(exported)
-    assert list(frame.columns) == ["pair_id", "prompt", "reply_a", "reply_b", "label"]
-    assert frame["pair_id"].tolist() == [p.pair_id for p in EXPORTED] and frame["label"].fillna("").eq("").all()
-    frame["label"] = [" A", "b", "a", "a", "B"]
-    frame.loc[0, "reply_a"] = " edited text is ignored"
-    labelled = tmp_path / f"labelled{suffix}"
-    frame.to_csv(labelled, index=False) if suffix == ".csv" else frame.to_parquet(labelled, index=False)
-    result = import_labels(str(labelled), exported)
-    assert result.pairs == [PreferencePair("q cat", " good dog", " bad tree"),
-                            PreferencePair("q sun", " blue box", " red"),
-                            PreferencePair("q why", " the mat", " a slow moon"),
-                            PreferencePair("q sat", " small", " big")]
-    # the 4th label is fine, but its pair fails the ordinary data validation (a NUL byte in a reply)
-    assert [(q["source_row"], q["column"], q["reason"]) for q in result.quarantine] == [(3, "chosen",
-                                                                                         "control_character")]
-    assert result.rows_in == 5 == len(result.pairs) + len(result.quarantine)
-    assert {r["pair_id"] for r in result.records} >= {EXPORTED[0].pair_id}  # chosen = reply_a keeps the export id
-
-
-def test_bad_rows_are_quarantined_with_row_column_and_reason(tmp_path: Path) -> None:
-    exported = export_unlabelled(EXPORTED, tmp_path / "unlabelled.csv")
-    ids = [p.pair_id for p in EXPORTED]
-    labelled = tmp_path / "labelled.csv"
-    with open(labelled, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["pair_id", "label", "note"])
-        writer.writerows([[ids[0], "a", ""], [ids[1], "", "skipped"], [ids[2], "1", ""], ["deadbeef", "a", ""],
-                          ["", "b", ""], [ids[0], "b", "second opinion"], [ids[4], "a", "x", "extra field"],
-                          [ids[4], "maybe", ""]])
-    result = import_labels(str(labelled), exported)
-    reasons = [(q["source_row"], q["column"], q["reason"]) for q in result.quarantine]
-    assert reasons == [(1, "label", "missing_label"), (2, "label", "bad_label"), (3, "pair_id", "unknown_pair_id"),
-                       (4, "pair_id", "missing_pair_id"), (5, "pair_id", "duplicate_label"),
-                       (6, "*", "malformed_record"), (7, "label", "bad_label")]
-    assert "first labelled at row 0" in result.quarantine[4]["detail"] and result.quarantine[1]["raw"] == "1"
-    assert result.pairs == [PreferencePair("q cat", " good dog", " bad tree")]
-    counts = result.counts()
-    assert counts["labels/rows_in"] == 8 == counts["labels/accepted"] + counts["labels/quarantined"]
-    assert counts["labels/quarantined/bad_label"] == 2 and counts["labels/not_returned"] == 1  # ids[3]
-
-
-def test_missing_files_and_columns_say_what_to_do(tmp_path: Path) -> None:
-    exported = export_unlabelled(EXPORTED, tmp_path / "unlabelled.csv")
-    with pytest.raises(FileNotFoundError, match="labels file .*nope.csv does not exist"):
-        import_labels(str(tmp_path / "nope.csv"), exported)
-    pd.DataFrame({"pair_id": ["x"], "choice": ["a"]}).to_csv(tmp_path / "wrong.csv", index=False)
-    with pytest.raises(DataError, match=r"lacks column\(s\) \['label'\]"):
-        import_labels(str(tmp_path / "wrong.csv"), exported)
-    with pytest.raises(ValueError, match="use a .csv or .parquet"):
-        export_unlabelled(EXPORTED, tmp_path / "pairs.xlsx")
-    with pytest.raises(ValueError, match="exported twice"):
-        export_unlabelled(EXPORTED[:1] * 2, tmp_path / "twice.csv")
 
 
 # --------------------------------------------------------------------------------------------- the stage
@@ -376,18 +307,6 @@ def test_config_slice_reads_the_refresh_section_and_only_the_judge_settings_it_n
     assert simulated.gold  # the tiny preset is the demo task
 
 
-# --------------------------------------------------------------------------------------------- pure rules
-
-
-def test_promotion_rule() -> None:
-    assert promotion(0.70, 0.70, 0.0)[0] and not promotion(0.70, 0.69, 0.0)[0]
-    promoted, reason = promotion(0.70, 0.69, 0.02)
-    assert promoted and "0.690 >= 0.680" in reason
-    # best-epoch selection kept the weights from before training: nothing new to promote
-    promoted, reason = promotion(0.70, 0.70, 0.02, changed=False)
-    assert not promoted and "no epoch lowered the validation loss" in reason
-
-
 def test_refresh_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match="labels_file is read only with refresh.annotator='file'"):
         load_config(preset="tiny", overrides=["refresh.labels_file=x.csv"])
@@ -399,46 +318,6 @@ def test_refresh_settings_are_validated() -> None:
     assert cfg.refresh.enabled  # user data can be refreshed by people or a judge, not by the demo's annotator
     with pytest.raises(ConfigError, match="refresh.annotator='simulated' needs data.source='demo'"):
         load_config(preset="tiny", overrides=["data.source=files", "data.files=[a.csv]"])
-
-
-def test_split_by_prompt_keeps_each_prompt_on_one_side() -> None:
-    records = [{"prompt": f"p{i % 7}", "chosen": f" c{i}", "rejected": " r"} for i in range(30)]
-    train, held = split_by_prompt(records, 0.3, seed=4)
-    assert len(train) + len(held) == 30 and {r["prompt"] for r in held} and {r["prompt"] for r in train}
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    assert len({r["prompt"] for r in held}) == 2  # round(0.3 * 7)
-    assert split_by_prompt(records, 0.3, seed=4) == (train, held)  # seeded
-    _, tiny = split_by_prompt(records[:2], 0.01, seed=0)
-    assert len(tiny) == 1  # at least one prompt is held, at least one kept
-    with pytest.raises(ValueError, match="at least 2 prompts"):
-        split_by_prompt(records[:1], 0.3, seed=0)
-
-
-def test_draw_prompts_repeats_only_when_there_are_too_few() -> None:
-    prompts = [f"p{i}" for i in range(5)]
-    drawn = draw_prompts(prompts, 3, random.Random(0))
-    assert len(drawn) == len(set(drawn)) == 3 and set(drawn) <= set(prompts)
-    assert draw_prompts(prompts, 3, random.Random(0)) == drawn  # seeded
-    cycled = draw_prompts(prompts, 12, random.Random(1))
-    assert len(cycled) == 12 and set(cycled[:5]) == set(cycled[5:10]) == set(prompts)  # whole rounds, each shuffled
-
-
-def test_replay_sample_takes_ratio_times_the_fresh_pairs_at_most_all() -> None:
-    old = [PreferencePair(f"q{i}", " good", " bad") for i in range(10)]
-    sample = replay_sample(old, n_new=6, ratio=0.5, seed=3)
-    assert len(sample) == 3 and len(set(sample)) == 3 and set(sample) <= set(old)
-    assert replay_sample(old, n_new=6, ratio=0.5, seed=3) == sample  # seeded
-    assert sorted(replay_sample(old, n_new=40, ratio=1.0, seed=3), key=lambda p: p.prompt) == \
-        sorted(old, key=lambda p: p.prompt)
-    assert replay_sample(old, n_new=5, ratio=0.0, seed=3) == []
-
-
-def test_training_config_and_seed_of_a_refresh() -> None:
-    base = RewardTrainingConfig(epochs=4, learning_rate=1e-4, seed=5, batch_size=16)
-    cfg = training_config(base, iteration=3, epochs=2, learning_rate=None, select_best_epoch=True)
-    assert (cfg.epochs, cfg.learning_rate, cfg.seed, cfg.select_best_epoch, cfg.batch_size) == (2, 1e-4, 8, True, 16)
-    assert training_config(base, 3, 2, 3e-3, False).learning_rate == 3e-3
-    assert refresh_seed(7, 3) == 7003 and refresh_seed(7, 3) != refresh_seed(7, 4)
 
 
 def test_an_ensemble_proxy_refreshes_every_member(harness: StageHarness, inputs: SimpleNamespace,
