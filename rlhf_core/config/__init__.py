@@ -7,8 +7,8 @@ use in ``config/shared.py``; import every section from here.
 """
 
 from rlhf_core.config.ppo import GenerationConfig, KLConfig, PPOConfig, RewardShapingConfig
-from rlhf_core.config.shared import Autocast, LoRAConfig
+from rlhf_core.config.shared import Autocast, LoRAConfig, OptimizerConfig
 from rlhf_core.config.training import DPOConfig, RewardTrainingConfig, SFTConfig
 
-__all__ = ["Autocast", "DPOConfig", "GenerationConfig", "KLConfig", "LoRAConfig", "PPOConfig", "RewardShapingConfig",
-           "RewardTrainingConfig", "SFTConfig"]
+__all__ = ["Autocast", "DPOConfig", "GenerationConfig", "KLConfig", "LoRAConfig", "OptimizerConfig", "PPOConfig",
+           "RewardShapingConfig", "RewardTrainingConfig", "SFTConfig"]

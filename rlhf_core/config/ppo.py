@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from rlhf_core.compat import STATIC_CACHE
-from rlhf_core.config.shared import Autocast, LoRAConfig
+from rlhf_core.config.shared import Autocast, LoRAConfig, OptimizerConfig
 from rlhf_core.ppo.aggregation import LossAggregation
 from rlhf_core.ppo.kl import KLEstimator
 from rlhf_core.ppo.rewards import EnsembleAggregation
-from rlhf_core.ranges import (ClipNorm, Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range,
-                              check_ranges)
+from rlhf_core.ranges import Count, Fraction, KeptCount, NonNegative, Positive, PositiveInt, Range, check_ranges
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class RewardShapingConfig:
 
 
 @dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(OptimizerConfig):
     """One PPO update = one rollout batch, `ppo_epochs` passes over it in mini-batches."""
 
     rollout_batch_size: PositiveInt = 64
@@ -111,21 +110,11 @@ class PPOConfig:
     None = micro_batch_size rollouts always. A memory knob: the results are the same."""
     ppo_epochs: PositiveInt = 4
     """Passes over each rollout batch (TRL 4; OpenRLHF/verl 1)."""
-    learning_rate: Positive = 1e-5
-    """Policy learning rate (AdamW)."""
     value_learning_rate: Positive = 1e-5
     """Value model (critic or value head) learning rate."""
-    weight_decay: NonNegative = 0.0
-    """AdamW weight decay."""
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    """Learning-rate schedule over `total_updates` optimizer steps."""
-    warmup_steps: Count = 0
-    """Linear warm-up optimizer steps."""
     total_updates: PositiveInt = 100
     """Planned PPO updates (used only by the linear schedule). The pipeline derives it: ``ppo.iterations x
     ppo.updates_per_iteration``."""
-    max_grad_norm: ClipNorm = 1.0
-    """Gradient-norm clip per model (TRL's PPO never applied its own; we do)."""
     clip_range: Positive = 0.2
     """Policy ratio clip epsilon."""
     clip_range_value: Positive | None = 0.2

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from rlhf_core.config.shared import Autocast, LoRAConfig
-from rlhf_core.ranges import ClipNorm, Count, NonNegative, Positive, PositiveInt, Range, check_ranges
+from rlhf_core.config.shared import Autocast, LoRAConfig, OptimizerConfig
+from rlhf_core.ranges import Count, NonNegative, Positive, PositiveInt, Range, check_ranges
 
 
 @dataclass(frozen=True)
-class RewardTrainingConfig:
+class RewardTrainingConfig(OptimizerConfig):
     """Bradley-Terry reward-model training."""
 
     epochs: PositiveInt = 1
@@ -25,15 +25,7 @@ class RewardTrainingConfig:
     they are long (padded rows x longest, or the real tokens where the forward packs them; rlhf_core/models/budget.py).
     None = rows only. A memory knob only, like micro_batch_size. At least 2 x max_length: a pair is one forward."""
     learning_rate: NonNegative = 1e-4
-    """AdamW learning rate (0 = score and report without updating)."""
-    weight_decay: NonNegative = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: ClipNorm = 1.0
-    """Gradient-norm clip (inf = no clipping; the norm is still reported)."""
-    warmup_steps: Count = 0
-    """Steps of linear warmup from ~0 to ``learning_rate``."""
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
+    """Peak AdamW learning rate; 0 = score and report without updating (held-out measurements of a given model)."""
     max_length: Annotated[int, Range(ge=2, note="a prompt and a reply token")] = 256
     """Tokens per prompt+response; longer inputs keep the end (where the reply is) and are counted."""
     use_margin: bool = False
@@ -66,7 +58,7 @@ class RewardTrainingConfig:
 
 
 @dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(OptimizerConfig):
     """Hyperparameters of supervised fine-tuning."""
 
     epochs: PositiveInt = 3
@@ -77,14 +69,9 @@ class SFTConfig:
     """Demonstrations per forward/backward; gradients add up to ``batch_size`` (same step, less memory)."""
     learning_rate: Positive = 5e-4
     """Peak AdamW learning rate (small models from scratch like 1e-3; pretrained ones 1e-5..5e-5)."""
-    weight_decay: NonNegative = 0.0
-    """AdamW decoupled weight decay, applied to every parameter."""
-    warmup_steps: Count = 0
-    """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
-    """After warmup: keep ``learning_rate`` ('constant') or decay it linearly towards 0 at the last step ('linear')."""
-    max_grad_norm: ClipNorm = 1.0
-    """Clip the global gradient norm to this value (inf = no clipping; the norm is still reported)."""
+    """After warm-up: keep ``learning_rate`` or decay it linearly towards 0 at the last step (the default here: a
+    decay to 0 over a fixed number of epochs, as TRL's SFT does)."""
     max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
     """Longest prompt + reply + eos in tokens; longer rows keep the prompt's end and the reply's start."""
     eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 50
@@ -105,7 +92,7 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
-class DPOConfig:
+class DPOConfig(OptimizerConfig):
     """Hyperparameters of DPO / IPO."""
 
     beta: Positive = 0.1
@@ -124,14 +111,8 @@ class DPOConfig:
     """Pairs per forward/backward (both replies of a pair go in one forward); a memory knob, never the update."""
     learning_rate: Positive = 1e-6
     """Peak AdamW learning rate (TRL 1e-6 for pretrained models; a small model trained from scratch takes ~1e-4)."""
-    weight_decay: NonNegative = 0.0
-    """AdamW decoupled weight decay."""
-    warmup_steps: Count = 0
-    """Steps of linear warmup from ~0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear"] = "linear"
-    """After warmup: keep ``learning_rate`` or decay it linearly towards 0 at the last step."""
-    max_grad_norm: ClipNorm = 1.0
-    """Clip the global gradient norm to this value (inf = no clipping; the norm is still reported)."""
+    """After warm-up: keep ``learning_rate`` or decay it linearly towards 0 at the last step (TRL's DPO default)."""
     max_length: Annotated[int, Range(ge=2, note="a prompt token and eos")] = 128
     """Longest prompt + reply + eos in tokens; longer ones keep the prompt's end and the reply's start (as SFT)."""
     eval_every: Annotated[int, Range(ge=0, note="0 = only before and after training")] = 0

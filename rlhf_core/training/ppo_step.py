@@ -40,7 +40,7 @@ from rlhf_core.training.strategy import (
     TrainableGroup,
     local_strategy,
     refuse_non_finite,
-    scheduled_learning_rate,
+    schedule,
     shard,
 )
 
@@ -73,12 +73,10 @@ def trainable_groups(models: PPOModels, config: PPOConfig) -> list[TrainableGrou
 
 
 def lr_lambda(config: PPOConfig) -> Callable[[int], float]:
-    """Learning-rate factor per optimizer step (:func:`rlhf_core.training.strategy.scheduled_learning_rate`):
-    linear warm-up, then constant or linear decay to 0 over every optimizer step of the run."""
+    """Learning-rate factor per optimizer step (:func:`rlhf_core.training.strategy.schedule`): linear warm-up, then
+    constant or linear decay to 0 over every optimizer step of the run."""
     minibatches = config.rollout_batch_size // config.mini_batch_size
-    total = max(1, config.total_updates * config.ppo_epochs * minibatches)
-    return functools.partial(scheduled_learning_rate, 1.0, warmup_steps=config.warmup_steps,
-                             lr_schedule=config.lr_schedule, total_steps=total)
+    return schedule(config, max(1, config.total_updates * config.ppo_epochs * minibatches))
 
 
 def prepare_training(

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from rlhf_core.config import OptimizerConfig
 from rlhf_core.training.checkpoint import load_checkpoint, save_checkpoint
 from rlhf_core.training.guards import NonFiniteError
 
@@ -115,18 +116,7 @@ def scheduled_learning_rate(peak: float, step: int, warmup_steps: int, lr_schedu
     return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-class OptimizerSettings(Protocol):
-    """The optimizer fields every training section has (``sft``, ``dpo``, ``reward_model.training``, ``ppo``)."""
-
-    learning_rate: float
-    weight_decay: float
-    max_grad_norm: float
-    """inf: no clipping."""
-    warmup_steps: int
-    lr_schedule: str
-
-
-def scheduled_strategy(model: nn.Module, settings: OptimizerSettings, total_steps: int) -> LocalStrategy:
+def scheduled_strategy(model: nn.Module, settings: OptimizerConfig, total_steps: int) -> LocalStrategy:
     """The one-process strategy of a loop that trains one model (SFT, DPO): AdamW on its trained parameters
     (:func:`local_strategy`), gradients clipped to ``settings.max_grad_norm``, and the learning rate of
     :func:`scheduled_learning_rate` at each of ``total_steps`` steps."""
@@ -135,7 +125,7 @@ def scheduled_strategy(model: nn.Module, settings: OptimizerSettings, total_step
                           settings.max_grad_norm, schedule(settings, total_steps))
 
 
-def schedule(settings: OptimizerSettings, total_steps: int) -> LRLambda:
+def schedule(settings: OptimizerConfig, total_steps: int) -> LRLambda:
     """The multiplier of the peak learning rate at each 0-based step of ``settings``' schedule over ``total_steps``
     (what a strategy's ``lr_lambda`` takes)."""
 
