@@ -19,7 +19,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run as current_flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from flows.logs import run_logging
 from flows.pipeline import rlhf_pipeline
@@ -75,10 +75,16 @@ def rlhf_sweep_flow(sweep_id: str, state_dir: str) -> dict[str, Any]:
 
 
 def rlhf_sweep(sweep_id: str, state_dir: str) -> dict[str, Any]:
-    """The sweep's flow run, with a task runner of the sweep's ``concurrency`` threads."""
-    concurrency = RunStore(state_dir).load_sweep(sweep_id).concurrency
-    return rlhf_sweep_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=concurrency))(
-        sweep_id=sweep_id, state_dir=state_dir)
+    """The sweep's flow run, with the task runner of its ``concurrency`` (:func:`runs_runner`)."""
+    runner = runs_runner(RunStore(state_dir).load_sweep(sweep_id).concurrency)
+    return rlhf_sweep_flow.with_options(task_runner=runner)(sweep_id=sweep_id, state_dir=state_dir)
+
+
+def runs_runner(concurrency: int) -> ThreadPoolTaskRunner | ProcessPoolTaskRunner:
+    """One run at a time in this process; or ``concurrency`` worker processes, a run in each. Never threads side by
+    side: loading a model is not thread-safe (transformers creates it on the meta device by patching torch for the
+    whole process), and two runs in threads crashed with "Cannot copy out of meta tensor" in the demo's sweeps."""
+    return ThreadPoolTaskRunner(max_workers=1) if concurrency == 1 else ProcessPoolTaskRunner(max_workers=concurrency)
 
 
 def _run_cells(record: SweepRecord, state_dir: str) -> dict[str, str]:

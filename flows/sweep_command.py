@@ -40,7 +40,9 @@ def add_sweep_command(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--kl-budget", type=float, default=None, metavar="NATS",
                        help="settings whose mean final KL to the reference is above NATS (per reply) are not "
                        "eligible to win: compare at a stated distance from the SFT policy (default: no budget)")
-    sweep.add_argument("--concurrency", type=int, default=1, help="runs at a time (default 1)")
+    sweep.add_argument("--concurrency", type=int, default=1,
+                       help="runs at a time, each in a worker process of its own (default 1: one after another, in "
+                       "this process)")
     sweep.add_argument("--resume", metavar="SWEEP_ID", help="continue a sweep as it was created ('latest' works)")
     sweep.add_argument("--state-dir", default=None, help="state folder (default: the config's, .rlhf_state)")
     sweep.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings every run of the sweep shares")

@@ -89,6 +89,32 @@ def test_a_sweep_runs_its_grid_as_ordinary_runs_sharing_each_seeds_stages(tmp_pa
         assert flow_run.name == sweep.sweep_id and flow_run.state.is_completed()
 
 
+def test_runs_side_by_side_each_get_a_process_and_keep_the_sweeps_lineage(tmp_path, monkeypatch):
+    """``--concurrency 2``: the two runs of a seed go to two worker processes (building models is not thread-safe),
+    share the seed's stages as one after another would, and stay subflows of the sweep's flow run and nested MLflow
+    runs under its parent run."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    state_dir = str(tmp_path / "state")
+    assert main(["sweep", "--preset", "tiny", *GRID, "--seeds", "0", "--concurrency", "2", "--state-dir", state_dir,
+                 *SHARED]) == 0
+    store = RunStore(state_dir)
+    sweep = store.load_sweep("latest")
+    runs = [store.load_run(c.run_id) for c in sweep.cells]
+    assert sweep.status == "completed" and [r.status for r in runs] == ["completed", "completed"]
+    for label in SHARED_STAGES:  # computed by one run, reused by the other (whichever got there first)
+        assert runs[0].stages[label].key == runs[1].stages[label].key
+        assert sorted(r.stages[label].cached_from is None for r in runs) == [False, True], label
+    client = MlflowClient()
+    assert all(client.get_run(r.mlflow_run_id).data.tags["mlflow.parentRunId"] == sweep.mlflow_run_id for r in runs)
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        for run in runs:
+            flow_run = prefect.read_flow_run(run.prefect_flow_run_id)
+            assert flow_run.state.is_completed() and flow_run.parent_task_run_id is not None
+            assert str(prefect.read_task_run(flow_run.parent_task_run_id).flow_run_id) == sweep.prefect_flow_run_id
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--grid", "ppo.kl.coef=0.1,0.2", "--select", "gold"], "gold is evaluation-only and never chooses settings"),
     (["--grid", "ppo.kl.coef=0.1,0.2", "--select", "win_rate_gold"], "gold is evaluation-only"),

@@ -129,3 +129,14 @@ def test_a_sweeps_runs_keep_every_iterations_resume_state_unless_the_sweep_says_
     assert canonical(ppo_iteration.Config.of(cells[0].config, 2)) == canonical(ppo_iteration.Config.of(plain, 2))
     told = plan_cells(None, "tiny", ["ppo.iterations=3", "ppo.keep_resume_states=1"], grid, [0])
     assert [c.config.ppo.keep_resume_states for c in told] == [1, 1]
+
+
+def test_runs_side_by_side_go_to_worker_processes_never_threads():
+    """Loading models is not thread-safe (tests/flows/test_sweep.py runs two runs side by side end to end)."""
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+    from flows.sweep import runs_runner
+
+    assert isinstance(runs_runner(1), ThreadPoolTaskRunner) and runs_runner(1)._max_workers == 1
+    runner = runs_runner(2)
+    assert isinstance(runner, ProcessPoolTaskRunner) and runner._max_workers == 2
