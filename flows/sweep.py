@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, task
@@ -75,9 +77,30 @@ def rlhf_sweep_flow(sweep_id: str, state_dir: str) -> dict[str, Any]:
 
 
 def rlhf_sweep(sweep_id: str, state_dir: str) -> dict[str, Any]:
-    """The sweep's flow run, with the task runner of its ``concurrency`` (:func:`runs_runner`)."""
+    """The sweep's flow run, with the task runner of its ``concurrency`` (:func:`runs_runner`). Worker processes
+    report to this process's Prefect API (:func:`shared_api`), not to temporary servers of their own."""
     runner = runs_runner(RunStore(state_dir).load_sweep(sweep_id).concurrency)
-    return rlhf_sweep_flow.with_options(task_runner=runner)(sweep_id=sweep_id, state_dir=state_dir)
+    with shared_api():
+        return rlhf_sweep_flow.with_options(task_runner=runner)(sweep_id=sweep_id, state_dir=state_dir)
+
+
+@contextmanager
+def shared_api() -> Iterator[None]:
+    """``PREFECT_API_URL`` set, while inside, to the API this process talks to, so that the worker processes it
+    starts inherit it: with a temporary server (no ``PREFECT_API_URL``) each would otherwise start a server of its
+    own on the same database."""
+    from prefect.client.orchestration import get_client
+
+    previous = os.environ.get("PREFECT_API_URL")
+    with get_client(sync_client=True) as client:  # starts the temporary server when there is none yet
+        os.environ["PREFECT_API_URL"] = str(client.api_url).rstrip("/")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
 
 
 def runs_runner(concurrency: int) -> ThreadPoolTaskRunner | ProcessPoolTaskRunner:
