@@ -46,8 +46,6 @@ __all__ = ["LATEST", "RESERVE_BYTES", "ActiveRun", "ActiveSweep", "Artifact", "A
 
 
 
-
-
 class RunStore:
     """The state folder: artifacts, work folders and run records (see the module docstring)."""
 
