@@ -93,13 +93,15 @@ KL_BUDGET = best_of_n_kl(64)
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
-          log: Path, select: str = "heldout", kl_budget: float | None = None) -> dict[str, Any]:
-    """One `rlhf sweep`; its report (``sweep_report.json``)."""
+          log: Path, select: str = "heldout", kl_budget: float | None = None, concurrency: int = 1) -> dict[str, Any]:
+    """One `rlhf sweep` (``concurrency`` runs side by side, each in a worker process); its report
+    (``sweep_report.json``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     grids = [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
     command = [sys.executable, "-m", "flows.cli", "sweep", "--preset", preset, "--state-dir", str(state),
-               "--seeds", seeds, "--select", select, *(["--kl-budget", str(kl_budget)] if kl_budget else []),
+               "--seeds", seeds, "--select", select, "--concurrency", str(concurrency),
+               *(["--kl-budget", str(kl_budget)] if kl_budget else []),
                *grids, *overrides]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -118,7 +120,7 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
         for r, grid in enumerate(spec["rounds"], 1):
             shared = [f"{k}={v}" for k, v in settings.items() if k not in grid]  # the round's grid decides its keys
             report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
-                           logs / f"tune-{method}-round{r}.log", args.select, args.kl_budget)
+                           logs / f"tune-{method}-round{r}.log", args.select, args.kl_budget, args.concurrency)
             rounds.append(report)
             if report["winner"] is None:
                 raise RuntimeError(f"{method} round {r}: no eligible setting (every run flagged by the held-out RM)")
@@ -135,7 +137,7 @@ def report(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
         key, value = ("method", "dpo") if method == "dpo" else ("ppo.advantage", _advantage(METHODS[method]))
         overrides = [o for o in METHODS[method] if not o.startswith(f"{key}=")]
         result = sweep(args.preset, state, args.seeds, {key: [value]}, [*overrides, *args.eval],
-                       logs / f"report-{method}.log")
+                       logs / f"report-{method}.log", concurrency=args.concurrency)
         for run in result["runs"]:
             rows.append({"method": method, **_run_row(state, run)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -220,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kl-budget", type=float, default=KL_BUDGET,
                         help=f"tuning rounds: settings whose mean KL is above it are not eligible (default "
                         f"{KL_BUDGET:.2f}, best-of-64's KL; 0 = none)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="runs side by side in each sweep (worker processes; mind the cores: each run's torch "
+                             "threads are OMP_NUM_THREADS)")
     parser.add_argument("--state-dir", type=Path, default=None, help="shared state folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--eval-prompts", type=int, default=None,
