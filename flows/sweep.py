@@ -80,10 +80,9 @@ def rlhf_sweep_flow(sweep_id: str, state_dir: str) -> dict[str, Any]:
 def rlhf_sweep(sweep_id: str, state_dir: str) -> dict[str, Any]:
     """The sweep's flow run, with the task runner of its ``concurrency`` (:func:`runs_runner`). Worker processes, when
     there are any, report to this process's Prefect API (:func:`shared_api`), not to temporary servers of their own."""
-    concurrency = RunStore(state_dir).load_sweep(sweep_id).concurrency
-    with shared_api() if concurrency > 1 else contextlib.nullcontext():
-        return rlhf_sweep_flow.with_options(task_runner=runs_runner(concurrency))(sweep_id=sweep_id,
-                                                                                 state_dir=state_dir)
+    runner = runs_runner(RunStore(state_dir).load_sweep(sweep_id).concurrency)
+    with shared_api() if isinstance(runner, ProcessPoolTaskRunner) else contextlib.nullcontext():
+        return rlhf_sweep_flow.with_options(task_runner=runner)(sweep_id=sweep_id, state_dir=state_dir)
 
 
 @contextmanager

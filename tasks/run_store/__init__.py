@@ -44,8 +44,6 @@ __all__ = ["LATEST", "RESERVE_BYTES", "ActiveRun", "ActiveSweep", "Artifact", "A
            "StateError", "SweepCell", "SweepRecord", "code_version", "new_run_id", "stage_key"]
 
 
-
-
 class RunStore:
     """The state folder: artifacts, work folders and run records (see the module docstring)."""
 
