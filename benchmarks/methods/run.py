@@ -72,6 +72,7 @@ TUNING: dict[str, dict[str, Any]] = {
         # round 6, rule E, declared before it ran (not run yet): half the KL coefficient at round 5's batch, against
         # the preset's 0.2. Round 5's report found PPO on the held-out judge's best-of-N curve at its own KL but ending
         # short of best-of-16's KL (1.37 against 1.84 nats), where that curve is higher
+        # (if it changes the preset, its choice is reported on seeds 8-12: seeds 3-7 informed this grid)
         {"ppo.kl.coef": ["0.1", "0.2"]},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
