@@ -4,8 +4,12 @@ Prefect server that schedules (and any `rlhf` command on the same state folder) 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from flows.commands import (DEFAULT_STATE_DIR, SERVER_FILE, ensure_prefect_database, prepare_environment,
@@ -86,8 +90,6 @@ def _schedule(args: argparse.Namespace) -> int:
     if not os.environ.get("PREFECT_API_URL"):
         raise ConfigError("a schedule needs a Prefect server that keeps running: start `rlhf server --state-dir "
                           f"{parameters['state_dir']}` in another terminal (or set PREFECT_API_URL)")
-    from prefect import serve
-
     from flows.deployments import pipeline_deployment
 
     deployment = pipeline_deployment(parameters["preset"], parameters["config_file"], parameters["overrides"],
@@ -101,14 +103,94 @@ def _schedule(args: argparse.Namespace) -> int:
         return 0
     print(f"serving rlhf-pipeline/{args.name}: {name} {when}, one run at a time; results under "
           f"{parameters['state_dir']}. Keep this process running (Ctrl-C stops and pauses the schedule).", flush=True)
-    serve(deployment, print_starting_message=False)
+    try:
+        return asyncio.run(serve_until_stopped(deployment))
+    except KeyboardInterrupt:  # Ctrl-C before serving began: nothing was served, the deployment stays as registered
+        return 130
+
+
+#: Seconds a stop may take after SIGINT or SIGTERM: pausing the schedule, cancelling runs in flight and Prefect's
+#: runner teardown. Past it the process exits anyway (the schedule is paused first).
+STOP_GRACE_S = 90.0
+
+
+async def serve_until_stopped(deployment: object, grace_s: float = STOP_GRACE_S) -> int:
+    """Serve ``deployment`` until SIGINT or SIGTERM, then stop within ``grace_s`` seconds: pause its schedule first
+    (the one thing a stop must do), cancel runs in flight, shut Prefect's runner down; return 0. Prefect's own
+    handling (``prefect.serve``) left the process inside its runner's teardown for over five minutes at times, so
+    the signals are ours and the stop is bounded: a watchdog ends the process when the teardown (or the interpreter's
+    exit after it) outlasts ``grace_s``. A second signal exits at once."""
+    from prefect.client.orchestration import get_client
+    from prefect.runner import Runner
+
+    runner = Runner(pause_on_shutdown=False, limit=None)
+    deployment_id = await runner.aadd_deployment(deployment)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(runner.start())
+    await asyncio.sleep(0)  # start() installs its own SIGTERM handler before it first waits; ours replace it
+
+    paused = threading.Event()
+
+    def give_up(reason: str) -> None:
+        if paused.is_set():
+            _exit_now(0, f"{reason}; exiting (the schedule is paused)")
+        _exit_now(1, f"{reason}; exiting with the schedule NOT paused: pause deployment {deployment_id} in the "
+                     "Prefect UI or with `prefect deployment pause`")
+
+    def on_signal(number: int) -> None:
+        name = signal.Signals(number).name
+        if stop.is_set():
+            give_up(f"{name} again")
+        stop.set()
+        watchdog = threading.Timer(grace_s, give_up, args=(f"the stop took over {grace_s:.0f} s after {name}",))
+        watchdog.daemon = True  # it must not keep a clean exit waiting
+        watchdog.start()
+
+    for number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(number, on_signal, number)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not stop.is_set():  # the runner ended by itself: its error, if any, is the command's
+        stopped.cancel()
+        serving.result()
+        return 0
+    print("stopping: pausing the schedule, cancelling runs in flight", flush=True)
+    async with get_client() as client:
+        await client.pause_deployment(deployment_id)
+    paused.set()
+    await runner.astop()
+    await serving
+    _end_children()
     return 0
+
+
+def _end_children(grace_s: float = 10.0) -> None:
+    """Terminate the flow runs this process started that are still running (Prefect's cancellation signals them, but
+    a run can miss it: its SIGTERM handler raises an exception that is lost when it lands inside a callback), then
+    kill what outlives ``grace_s``. An rlhf run ended this way resumes with `rlhf resume`."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def _exit_now(code: int, message: str) -> None:
+    """End the process from any thread, skipping teardown that hangs (output flushed first)."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _server(args: argparse.Namespace) -> int:
     """Run the Prefect server in the foreground, its database and a server.json (its URL) in the state folder."""
     import json
-    import signal
     import subprocess
 
     from tasks.run_store import RunStore, StateError
@@ -152,7 +234,6 @@ def _server(args: argparse.Namespace) -> int:
 def _die_with_parent() -> None:
     """In the server's process before it starts: SIGTERM it when `rlhf server` dies, even by SIGKILL (Linux)."""
     import ctypes
-    import signal
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

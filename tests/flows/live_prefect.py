@@ -98,9 +98,9 @@ class Processes:
                 continue
 
     def stop(self, name: str, sig: signal.Signals, timeout: float = 300) -> int:
-        """Send ``sig`` to the process alone (as a user would) and wait for its exit code. (A served schedule shuts
-        its runner and its Prefect client down first: seen taking over 60 s, and once over 180 s, on a loaded 2-core
-        machine.) A process still there after ``timeout`` gets SIGABRT, and the failure shows its threads' stacks."""
+        """Send ``sig`` to the process alone (as a user would) and wait for its exit code. (A served schedule pauses
+        itself and shuts its runner down first, within `serving.STOP_GRACE_S`.) A process still there after
+        ``timeout`` gets SIGABRT, and the failure shows its threads' stacks."""
         self.note_descendants()
         process = self.started[name]
         process.send_signal(sig)

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import psutil
 import pytest
 from transformers import GPT2Config
 
@@ -167,6 +168,39 @@ def test_a_served_schedule_fires_at_its_minute_and_reuses_every_stage_of_an_earl
     # that points to it.
     assert processes.stop("server", signal.SIGTERM) == 128 + signal.SIGTERM
     assert not (state / "prefect" / commands.SERVER_FILE).exists()
+    wait_for("every started process to end", lambda: not processes.leftovers(), timeout=30,
+             explain=lambda: f"left: {processes.leftovers()}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_mid_run_pauses_the_schedule_cancels_the_run_and_exits_within_the_bound(tmp_path, processes):
+    state = tmp_path / "state"
+    api = PrefectApi(start_server(processes, state))
+    try:
+        processes.start("schedule", rlhf("schedule", "--cron", "0 3 1 1 *", "--preset", "tiny", "--state-dir",
+                                          str(state), "--name", "t", *OVERRIDES),
+                        clean_env(PREFECT_RUNNER_POLL_FREQUENCY="2"), tmp_path)
+        deployed = wait_for("the deployment", lambda: processes.running("schedule") and api.deployment(
+            "rlhf-pipeline", "t"), timeout=90, explain=processes.logs_of_all)
+        quick_id = api.create_flow_run(deployed["id"])["id"]
+        wait_for("the quick run to start", lambda: processes.running("schedule") and state_type(
+            api.flow_run(quick_id)) == "RUNNING", timeout=150, interval=1, explain=processes.logs_of_all)
+
+        in_flight = psutil.Process(processes.started["schedule"].pid).children(recursive=True)
+        assert in_flight, processes.logs_of_all()
+
+        # SIGTERM (a service manager's stop): the schedule is paused, the run in flight cancelled and its process
+        # ended, and `rlhf schedule` exits 0 within its bound, however long Prefect's own teardown would take.
+        assert processes.stop("schedule", signal.SIGTERM, timeout=serving.STOP_GRACE_S + 30) == 0
+        assert "stopping: pausing the schedule" in processes.output("schedule")
+        assert not [p for p in in_flight if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert api.deployment_by_id(deployed["id"])["paused"] is True
+        wait_for("the run in flight to be cancelled", lambda: state_type(api.flow_run(quick_id)) == "CANCELLED",
+                 timeout=60, explain=lambda: f"{api.flow_run(quick_id)['state']}\n{processes.logs_of_all()}")
+    finally:
+        api.close()
+    assert processes.stop("server", signal.SIGTERM) == 128 + signal.SIGTERM
     wait_for("every started process to end", lambda: not processes.leftovers(), timeout=30,
              explain=lambda: f"left: {processes.leftovers()}")
 
