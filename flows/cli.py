@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -132,12 +134,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr and return 2, without a traceback.
     """
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     try:
         return args.handler(args)
     except user_errors() as err:
         message = " ".join(str(err).split())
         print(f"rlhf {args.command}: error: {message}", file=sys.stderr)
         return EXIT_DATA_ERROR
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`, a service manager, a cluster's scheduler) ends the command as an exception does:
+    ``finally`` blocks and exit handlers run, so a stage's workers and Prefect's temporary server end with it
+    (exit status 143). Prefect turns SIGTERM into an exception inside a flow and then sends it again to the handler
+    it found; with the default one the process died on the spot and left the temporary server running. A handler
+    someone else installed (a test runner's, say) is kept."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(number: int, frame: object) -> None:
+    raise SystemExit(128 + number)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,42 @@ def runs_runner(concurrency: int) -> ThreadPoolTaskRunner | ProcessPoolTaskRunne
     """One run at a time in this process; or ``concurrency`` worker processes, a run in each. Never threads side by
     side: loading a model is not thread-safe (transformers creates it on the meta device by patching torch for the
     whole process), and two runs in threads crashed with "Cannot copy out of meta tensor" in the demo's sweeps."""
-    return ThreadPoolTaskRunner(max_workers=1) if concurrency == 1 else ProcessPoolTaskRunner(max_workers=concurrency)
+    return ThreadPoolTaskRunner(max_workers=1) if concurrency == 1 else RunsProcessPool(max_workers=concurrency)
+
+
+#: Seconds a stopped sweep's worker processes get between SIGTERM and SIGKILL.
+WORKER_STOP_GRACE_S = 60.0
+
+
+class RunsProcessPool(ProcessPoolTaskRunner):
+    """Prefect's process pool, stopped with the sweep. A sweep stopped by a signal (SIGTERM, which Prefect turns into
+    an exception in the sweep's process, or Ctrl-C) would otherwise wait for the runs in flight to finish (the pool's
+    shutdown waits for running work: half an hour and more in the demo's sweeps); here each worker gets SIGTERM, so
+    its run stops as `rlhf run` stops (recorded, resumable with ``rlhf sweep --resume``), and SIGKILL after
+    ``WORKER_STOP_GRACE_S``."""
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            self._stop_workers()
+        super().__exit__(exc_type, exc_value, traceback)
+
+    def _stop_workers(self) -> None:
+        import threading
+
+        workers = list(getattr(self._executor, "_processes", {}).values())  # the stdlib pool's own processes
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.terminate()
+
+        def kill_survivors() -> None:
+            for worker in workers:
+                with contextlib.suppress(Exception):
+                    if worker.is_alive():
+                        worker.kill()
+
+        killer = threading.Timer(WORKER_STOP_GRACE_S, kill_survivors)
+        killer.daemon = True
+        killer.start()
 
 
 def _run_cells(record: SweepRecord, state_dir: str) -> dict[str, str]:

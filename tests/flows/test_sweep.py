@@ -4,6 +4,7 @@ after a kill."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -181,3 +182,38 @@ def test_a_killed_sweep_resumes_keeping_finished_runs_and_continuing_the_rest(tm
         "resumed PPO from" in store.log_file(second.run_id).read_text()
     report = json.loads((sweep_dir / REPORT_JSON).read_text())
     assert report["failed"] == [] and all(r["completed"] == 1 for r in report["settings"])
+
+
+def test_sigterm_stops_a_sweep_with_runs_side_by_side_leaving_no_process_and_it_resumes(tmp_path: Path):
+    """SIGTERM to the sweep's process alone (`kill`, `timeout`, a service manager): its worker processes stop their
+    runs instead of finishing them, and nothing of the sweep outlives it, not even Prefect's temporary server."""
+    import psutil
+
+    env, state = rlhf_env(), tmp_path / "state"
+    command = rlhf("sweep", "--preset", "tiny", *GRID, "--seeds", "0", "--concurrency", "2", "--state-dir",
+                   str(state), *SHARED)
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        started = lambda: any('"data-prep"' in f.read_text() for f in state.glob("runs/*/run.json"))  # noqa: E731
+        wait_for("a run of the sweep to start its stages", lambda: still_running(process, started), timeout=300,
+                 interval=0.2)
+        workers = psutil.Process(process.pid).children(recursive=True)
+        assert len(workers) >= 3  # the temporary Prefect server and two worker processes (with their helpers)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 128 + signal.SIGTERM
+        wait_for("every process of the sweep to end", lambda: not [w for w in workers if w.is_running() and
+                                                                   w.status() != psutil.STATUS_ZOMBIE],
+                 timeout=15, explain=lambda: str([w.cmdline()[:4] for w in workers if w.is_running()]))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    store = RunStore(state)
+    (sweep_dir,) = list((state / "sweeps").iterdir())
+    assert not any(store.summary_file(c.run_id).exists() for c in store.load_sweep(sweep_dir.name).cells)
+
+    resumed = subprocess.run(rlhf("sweep", "--resume", sweep_dir.name, "--state-dir", str(state)), env=env,
+                             cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert store.load_sweep(sweep_dir.name).status == "completed"
