@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -146,6 +147,10 @@ def _execute(store: RunStore, run_id: str) -> int:
     ensure_prefect_database(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
+    except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, SIGTERM: Prefect's crash hook recorded the run
+        print(f"rlhf: run {run_id} {stopped_by(stop)}; log: {store.log_file(run_id)}; continue with: rlhf resume "
+              f"{run_id} --state-dir {store.root}", file=sys.stderr)
+        raise
     except Exception as error:  # the traceback is in the run's log file and on the Prefect flow run
         line = failure_line(store, run_id, error)
         store.end_run(run_id, "failed", line)  # when the flow never started, no hook of Prefect's could say so
@@ -155,6 +160,15 @@ def _execute(store: RunStore, run_id: str) -> int:
     print(f"summary: {store.summary_file(run_id)}")
     print(mlflow_hint(store, summary))
     return 0
+
+
+def stopped_by(stop: KeyboardInterrupt | SystemExit) -> str:
+    """``stopped by Ctrl-C`` / ``stopped by SIGTERM`` (`flows.cli.exit_on_sigterm` exits 128 + the signal)."""
+    if isinstance(stop, KeyboardInterrupt):
+        return "stopped by Ctrl-C"
+    code = stop.code if isinstance(stop.code, int) else 1
+    return f"stopped by {signal.Signals(code - 128).name}" if code - 128 in set(signal.Signals) else \
+        f"stopped (exit {stop.code})"
 
 
 def failure_line(store: RunStore, run_id: str, error: BaseException) -> str:

@@ -51,7 +51,7 @@ def add_sweep_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """Create the sweep (or load it, ``--resume``), run it, print its report; exit 0 when every run completed."""
-    from flows.commands import DEFAULT_STATE_DIR, ensure_prefect_database, prepare_environment
+    from flows.commands import DEFAULT_STATE_DIR, ensure_prefect_database, prepare_environment, stopped_by
     from tasks.config import ConfigError
 
     if args.concurrency < 1:
@@ -78,6 +78,12 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 
     try:
         report = rlhf_sweep(sweep_id=sweep_id, state_dir=str(store.root))
+    except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, SIGTERM: the runs in flight were stopped too
+        line = (f"rlhf: sweep {sweep_id} {stopped_by(stop)}; log: {store.sweep_file(sweep_id, 'sweep.log')}; "
+                f"continue with: rlhf sweep --resume {sweep_id} --state-dir {store.root}")
+        store.end_sweep(sweep_id, "failed", line)
+        print(line, file=sys.stderr)
+        raise
     except Exception as error:  # the traceback is in the sweep's log file and on its Prefect flow run
         if isinstance(error, user_errors()):  # a busy sweep, a damaged record: one line, exit 2
             raise

@@ -191,3 +191,24 @@ def test_the_console_holds_the_projects_own_lines_and_the_run_log_the_libraries(
     (record,) = RunStore(state).list_runs()
     if importlib.util.find_spec("deepspeed") is not None:
         assert "Setting accelerator to CPU" in RunStore(state).log_file(record.run_id).read_text()
+
+
+def test_sigterm_becomes_an_exit_that_names_it_and_another_handler_is_kept(monkeypatch):
+    import signal
+
+    from flows import cli
+    from flows.commands import stopped_by
+
+    installed = {}
+    monkeypatch.setattr(signal, "signal", lambda number, handler: installed.__setitem__(number, handler))
+    monkeypatch.setattr(signal, "getsignal", lambda number: signal.SIG_DFL)
+    cli.exit_on_sigterm()
+    with pytest.raises(SystemExit) as stop:
+        installed[signal.SIGTERM](signal.SIGTERM, None)
+    assert stop.value.code == 143 and stopped_by(stop.value) == "stopped by SIGTERM"
+    assert stopped_by(KeyboardInterrupt()) == "stopped by Ctrl-C" and stopped_by(SystemExit(3)) == "stopped (exit 3)"
+
+    installed.clear()  # a handler someone else installed (a test runner's, a service's) is not replaced
+    monkeypatch.setattr(signal, "getsignal", lambda number: print)
+    cli.exit_on_sigterm()
+    assert installed == {}

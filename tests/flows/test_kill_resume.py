@@ -104,3 +104,38 @@ def test_kill_9_during_ppo_then_resume_matches_the_uninterrupted_run(tmp_path: P
                     for p in (root / "resume" / key).rglob("*") if p.suffix == ".safetensors"}
                    for root in (straight, killed)]
         assert len(resumed[0]) >= 2 and resumed[0] == resumed[1]
+
+
+@pytest.mark.slow
+def test_sigterm_during_ppo_stops_the_run_and_its_prefect_server_in_one_line_then_resume_completes(tmp_path: Path):
+    """SIGTERM to the `rlhf run` process alone (`kill`, `timeout`): status 143, a line that says how to continue,
+    the run recorded crashed, and nothing left behind (Prefect re-sends the signal to the handler it found; with
+    Python's default one the process used to die on the spot and leave Prefect's temporary server running)."""
+    import psutil
+
+    env, state = rlhf_env(), tmp_path / "state"
+    err = tmp_path / "stderr.txt"
+    process = subprocess.Popen(rlhf("run", "--preset", "tiny", "--state-dir", str(state), *OVERRIDES), env=env,
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True)
+    try:
+        wait_for_mid_iteration_checkpoint(state, process)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert any("uvicorn" in " ".join(child.cmdline()) for child in children)  # the temporary Prefect server
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    stderr = err.read_text()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in state.glob("runs/*/run.json")]
+    assert f"rlhf: run {record['run_id']} stopped by SIGTERM" in stderr and "continue with: rlhf resume" in stderr
+    assert record["status"] == "crashed"
+    time.sleep(5)  # the server's own exit, after its SIGTERM
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+    resumed = subprocess.run(rlhf("resume", "latest", "--state-dir", str(state)), env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(next(state.glob("runs/*/run.json")).read_text())["status"] == "completed"

@@ -192,7 +192,8 @@ def test_sigterm_stops_a_sweep_with_runs_side_by_side_leaving_no_process_and_it_
     env, state = rlhf_env(), tmp_path / "state"
     command = rlhf("sweep", "--preset", "tiny", *GRID, "--seeds", "0", "--concurrency", "2", "--state-dir",
                    str(state), *SHARED)
-    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    err = tmp_path / "stderr.txt"
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err.open("w"),
                                start_new_session=True)
     try:
         started = lambda: any('"data-prep"' in f.read_text() for f in state.glob("runs/*/run.json"))  # noqa: E731
@@ -201,7 +202,9 @@ def test_sigterm_stops_a_sweep_with_runs_side_by_side_leaving_no_process_and_it_
         workers = psutil.Process(process.pid).children(recursive=True)
         assert len(workers) >= 3  # the temporary Prefect server and two worker processes (with their helpers)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=120) == 128 + signal.SIGTERM
+        assert process.wait(timeout=120) == 128 + signal.SIGTERM, err.read_text()[-3000:]
+        stderr = err.read_text()
+        assert " stopped by SIGTERM; " in stderr and "continue with: rlhf sweep --resume" in stderr
         wait_for("every process of the sweep to end", lambda: not [w for w in workers if w.is_running() and
                                                                    w.status() != psutil.STATUS_ZOMBIE],
                  timeout=15, explain=lambda: str([w.cmdline()[:4] for w in workers if w.is_running()]))
