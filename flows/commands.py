@@ -166,9 +166,10 @@ def stopped_by(stop: KeyboardInterrupt | SystemExit) -> str:
     """``stopped by Ctrl-C`` / ``stopped by SIGTERM`` (`flows.cli.exit_on_sigterm` exits 128 + the signal)."""
     if isinstance(stop, KeyboardInterrupt):
         return "stopped by Ctrl-C"
-    code = stop.code if isinstance(stop.code, int) else 1
-    return f"stopped by {signal.Signals(code - 128).name}" if code - 128 in set(signal.Signals) else \
-        f"stopped (exit {stop.code})"
+    try:
+        return f"stopped by {signal.Signals(stop.code - 128).name}"
+    except (TypeError, ValueError):  # not 128 + a signal: another exit
+        return f"stopped (exit {stop.code})"
 
 
 def failure_line(store: RunStore, run_id: str, error: BaseException) -> str:

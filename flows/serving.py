@@ -208,7 +208,6 @@ def _server(args: argparse.Namespace) -> int:
     port = server_port(args.port)
     url = f"http://127.0.0.1:{port}/api"
     info = store.layout.prefect_home / SERVER_FILE
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server with us
     process = None
     try:
         # the UI asks the API at PREFECT_UI_API_URL, which otherwise stays on the default port
