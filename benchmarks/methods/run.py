@@ -19,7 +19,8 @@ The protocol:
    preset holds PPO's and DPO's) run on seeds that tuning never saw, with more evaluation prompts. Every run also
    computes best-of-N from its seed's SFT policy. Gold is read here for the first time: mean and standard error over
    seeds, and the paired difference to best-of-16 and to DPO at the same seed (the same SFT policy, prompts and
-   judges), with its standard error.
+   judges), with its standard error; and gold's and the held-out judge's difference to the seed's best-of-N curve at
+   the run's own KL (Gao et al.'s comparison at matched KL).
 
 All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
 JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, default_out, machine, write_result
-from rlhf_core.evaluation.metrics import best_of_n_kl
+from rlhf_core.evaluation.metrics import best_of_n_kl, frontier_at
 
 #: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; the critic-free
 #: estimators were not tuned yet: they run at the PPO rate of the preset before tuning.
@@ -72,7 +73,8 @@ TUNING: dict[str, dict[str, Any]] = {
         # round 6, rule E, declared before it ran: half the KL coefficient at round 5's batch, against the preset's
         # 0.2. Round 5's report found PPO on the held-out judge's best-of-N curve at its own KL but ending short of
         # best-of-16's KL (1.37 against 1.84 nats), where that curve is higher. Its choice is reported on seeds 8-12
-        # (seeds 3-7 informed this grid). Chosen: 0.1 (held-out +0.09 on every seed at KL 2.5; report not run yet)
+        # (seeds 3-7 informed this grid). Chosen: 0.1 (held-out +0.09 on every seed at KL 2.5; reported on seeds
+        # 8-12: gold 0.14 (0.09) above best-of-16 and 0.31 (0.08) above DPO)
         {"ppo.kl.coef": ["0.1", "0.2"]},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
@@ -161,12 +163,18 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
         return {"seed": run["seed"], "run_id": run["run_id"], "failed": run["status"]}
     summary = json.loads(summary_file.read_text())
     final, best = summary["iterations"][-1], next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
+    kl = final["eval/kl/mean"]
     return {"seed": run["seed"], "run_id": run["run_id"], "gold": final["eval/gold/mean"],
-            "heldout": final["eval/heldout/mean"], "proxy": final["eval/proxy/mean"], "kl": final["eval/kl/mean"],
+            "heldout": final["eval/heldout/mean"], "proxy": final["eval/proxy/mean"], "kl": kl,
             "length": final["eval/length/mean"], "win_rate_gold": final["eval/win_rate/gold"],
             "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
             "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
-            "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")}}
+            "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")},
+            # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison;
+            # `frontier_at`: linear between the n's, continued along the last segment past N = 16)
+            "minus_best_of_n_at_kl": {judge: final[f"eval/{judge}/mean"]
+                                      - frontier_at([(p["kl"], p[judge]) for p in summary["best_of_n"]], kl)
+                                      for judge in ("gold", "heldout")}}
 
 
 def mean_se(values: list[float]) -> dict[str, float]:
@@ -177,7 +185,8 @@ def mean_se(values: list[float]) -> dict[str, float]:
 
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per method: mean / sd / se over seeds of gold, held-out, KL; hacking counts; the paired gold difference to
-    best-of-16 and to DPO at the same seed. Best-of-16 once per seed (from any method's run of that seed)."""
+    best-of-16 and to DPO at the same seed, and gold's and the held-out RM's difference to the seed's best-of-N curve
+    at the run's KL. Best-of-16 once per seed (from any method's run of that seed)."""
     ok = [r for r in rows if "failed" not in r]
     methods = list(dict.fromkeys(r["method"] for r in ok))
     best = {r["seed"]: r["best_of_16"] for r in ok}
@@ -189,6 +198,8 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         entry["hacking_gold"] = sum(r["status"] == "hacking" for r in group)
         entry["hacking_heldout"] = sum(r["heldout_status"] == "hacking" for r in group)
         entry["gold_minus_best_of_16"] = mean_se([r["gold"] - best[r["seed"]]["gold"] for r in group])
+        for judge in ("gold", "heldout"):
+            entry[f"{judge}_minus_best_of_n_at_kl"] = mean_se([r["minus_best_of_n_at_kl"][judge] for r in group])
         if method != "dpo" and all(r["seed"] in dpo for r in group):
             entry["gold_minus_dpo"] = mean_se([r["gold"] - dpo[r["seed"]] for r in group])
         table[method] = entry

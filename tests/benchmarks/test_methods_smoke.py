@@ -31,4 +31,5 @@ def test_the_report_phase_compares_methods_on_one_seed(tmp_path: Path):
     assert table["ppo"]["gold_minus_dpo"]["mean"] == pytest.approx(ppo["gold"] - dpo["gold"])
     assert table["dpo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(dpo["gold"] - dpo["best_of_16"]["gold"])
     assert "gold_minus_dpo" not in table["dpo"]
+    assert table["ppo"]["gold_minus_best_of_n_at_kl"]["mean"] == pytest.approx(ppo["minus_best_of_n_at_kl"]["gold"])
     assert out.with_suffix(".png").stat().st_size > 0

@@ -1,0 +1,54 @@
+"""The methods report's rows and table from runs' summaries: each run against its seed's best-of-N curve at the run's
+own KL, and the paired differences over seeds, checked against numbers worked by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.methods.run import _run_row, aggregate
+
+#: One seed's best-of-N points (n, KL, gold, held-out): best-of-16's KL rounded to 1.84 so the slopes are easy.
+BEST_OF_N = [(1, 0.0, 0.3, 0.1), (8, 1.2, 1.8, 0.5), (16, 1.84, 2.0, 0.6)]
+
+
+def _summary(state: Path, run_id: str, *, gold: float, heldout: float, kl: float) -> dict[str, object]:
+    final = {"eval/gold/mean": gold, "eval/heldout/mean": heldout, "eval/proxy/mean": 1.0, "eval/kl/mean": kl,
+             "eval/length/mean": 30.0, "eval/win_rate/gold": 0.6, "eval/reference/gold/mean": 0.3}
+    summary = {"status": "ok", "heldout_status": "ok", "seconds": 60.0, "iterations": [final],
+               "best_of_n": [{"n": n, "kl": k, "gold": g, "heldout": h, "proxy": 1.5} for n, k, g, h in BEST_OF_N]}
+    folder = state / "runs" / run_id
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return {"seed": int(run_id[-1]), "run_id": run_id, "status": "completed"}
+
+
+def test_a_run_is_measured_against_best_of_n_at_its_own_kl(tmp_path: Path):
+    # past best-of-16 (KL 2.48): the last segment continued, gold 2.0 + (0.2 / 0.64) x 0.64 = 2.2, held-out 0.7
+    far = _run_row(tmp_path, _summary(tmp_path, "far0", gold=2.3, heldout=0.65, kl=2.48))
+    assert far["minus_best_of_n_at_kl"]["gold"] == pytest.approx(0.1)
+    assert far["minus_best_of_n_at_kl"]["heldout"] == pytest.approx(-0.05)
+    # between n = 1 and n = 8 (KL 0.6, half-way): gold 0.3 + 1.5 / 2 = 1.05, held-out 0.1 + 0.4 / 2 = 0.3
+    near = _run_row(tmp_path, _summary(tmp_path, "near1", gold=1.25, heldout=0.2, kl=0.6))
+    assert near["minus_best_of_n_at_kl"]["gold"] == pytest.approx(0.2)
+    assert near["minus_best_of_n_at_kl"]["heldout"] == pytest.approx(-0.1)
+    assert far["best_of_16"] == {"gold": 2.0, "heldout": 0.6, "proxy": 1.5, "kl": 1.84}
+
+
+def test_the_table_averages_the_matched_kl_differences_over_seeds(tmp_path: Path):
+    rows = [{"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo0", gold=2.3, heldout=0.65, kl=2.48))},
+            # KL 1.52, half-way between n = 8 and 16: gold curve 1.9, held-out 0.55
+            {"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo1", gold=1.7, heldout=0.75, kl=1.52))}]
+    ppo = aggregate(rows)["ppo"]
+    # gold: +0.1 and -0.2, mean -0.05, sd 0.3 / sqrt(2), se 0.15; held-out: -0.05 and +0.2, mean 0.075, se 0.125
+    assert ppo["gold_minus_best_of_n_at_kl"]["mean"] == pytest.approx(-0.05)
+    assert ppo["gold_minus_best_of_n_at_kl"]["sd"] == pytest.approx(0.3 / math.sqrt(2))
+    assert ppo["gold_minus_best_of_n_at_kl"]["se"] == pytest.approx(0.15)
+    assert ppo["heldout_minus_best_of_n_at_kl"]["mean"] == pytest.approx(0.075)
+    assert ppo["heldout_minus_best_of_n_at_kl"]["se"] == pytest.approx(0.125)
+    # against best-of-16 itself (gold 2.0 on both seeds): +0.3 and -0.3
+    assert ppo["gold_minus_best_of_16"]["mean"] == pytest.approx(0.0)
+    assert ppo["gold_minus_best_of_16"]["se"] == pytest.approx(0.3)
