@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +174,17 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
             "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
             "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
             "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")},
-            # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison;
-            # `frontier_at`: linear between the n's, continued along the last segment past N = 16)
+            # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison)
             "minus_best_of_n_at_kl": {judge: final[f"eval/{judge}/mean"]
-                                      - frontier_at([(p["kl"], p[judge]) for p in summary["best_of_n"]], kl)
+                                      - frontier(summary["best_of_n"], judge, kl, clamp=False)
                                       for judge in ("gold", "heldout")}}
+
+
+def frontier(points: Sequence[dict[str, float]], judge: str, kl: float, clamp: bool) -> float:
+    """The best-of-N curve of ``judge`` at ``kl`` (``rlhf_core.evaluation.metrics.frontier_at``, the curve
+    ``rlhf sweep --select frontier`` uses: linear between the n's, continued along the last segment past the last
+    one, or held at its value there when ``clamp``)."""
+    return frontier_at([(p["kl"], p[judge]) for p in points], kl, extrapolate=not clamp)
 
 
 def mean_se(values: list[float]) -> dict[str, float]:

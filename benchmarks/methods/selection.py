@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import default_out, write_result
-from benchmarks.methods.run import KL_BUDGET, mean_se
+from benchmarks.methods.run import KL_BUDGET, frontier, mean_se
 from flows.sweep_plan import setting_label
 from flows.sweep_report import over_kl_budget
-from rlhf_core.evaluation.metrics import frontier_at, spearman
+from rlhf_core.evaluation.metrics import spearman
 from tasks.run_store import RunStore
 from tasks.run_store.sweeps import SweepRecord
 
@@ -86,12 +86,6 @@ class Run:
     @property
     def final(self) -> dict[str, float]:
         return self.iterations[-1]
-
-
-def frontier(points: Sequence[dict[str, float]], judge: str, kl: float, clamp: bool) -> float:
-    """The best-of-N curve of ``judge`` at ``kl`` (``rlhf_core.evaluation.metrics.frontier_at``, the curve
-    ``rlhf sweep --select frontier`` uses): held at its last value past the last point when ``clamp``."""
-    return frontier_at([(p["kl"], p[judge]) for p in points], kl, extrapolate=not clamp)
 
 
 def rule_scores(run: Run) -> dict[str, float]:
