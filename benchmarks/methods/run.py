@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.methods.run tune --seeds 0,1,2        # choose each method's settings (hours)
     .venv/bin/python -m benchmarks.methods.run report                  # gold on seeds never looked at (~2 h)
     .venv/bin/python -m benchmarks.methods.run report --seeds 0 --preset tiny   # a smoke run of every method
+    .venv/bin/python -m benchmarks.methods.run pool A.json B.json --out C.json  # one table over two reports' seeds
 
 The protocol:
 
@@ -22,6 +23,10 @@ The protocol:
    judges), with its standard error; and gold's and the held-out judge's difference to the seed's best-of-N curve at
    the run's own KL (Gao et al.'s comparison at matched KL).
 
+3. **Pool** (``pool``): the table recomputed over the runs of several saved reports of the same settings on
+   different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran different
+   settings, presets or evaluation sizes, or share a seed.
+
 All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
 JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
 """
@@ -29,6 +34,7 @@ JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -39,6 +45,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from benchmarks.common import REPO, default_out, machine, write_result
 from rlhf_core.evaluation.metrics import best_of_n_kl, frontier_at
@@ -156,6 +164,47 @@ def report(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
     return {"runs": rows, "table": aggregate(rows)}
 
 
+def pool(paths: Sequence[Path]) -> dict[str, Any]:
+    """The runs of several saved reports of the same settings on disjoint seeds, and their table recomputed over all
+    of them. Raises ``ValueError`` (one line naming the file) when a report is not a report, ran other settings, a
+    preset or evaluation size of its own (by the names of the overrides, and by each run's resolved settings where its
+    row records them: a preset may change between reports), or repeats a method's seed."""
+    if len(paths) < 2:
+        raise ValueError("pool needs two or more report files")
+    reports = []
+    for path in paths:
+        try:
+            reports.append((path, json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path}: not a readable report ({error})") from None
+    first_path, first = reports[0]
+    rows: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], Path] = {}
+    for path, payload in reports:
+        if payload.get("phase") != "report" or "runs" not in payload:
+            raise ValueError(f"{path}: not a methods report (phase {payload.get('phase')!r})")
+        for key in ("preset", "eval", "methods"):
+            if payload.get(key) != first.get(key):
+                raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
+                                 f"{first.get(key)!r}; only reports of the same settings pool")
+        for row in payload["runs"]:
+            if (row["method"], row["seed"]) in seen:
+                raise ValueError(f"{path}: {row['method']} seed {row['seed']} is also in "
+                                 f"{seen[row['method'], row['seed']]}; pooled reports must not share a seed")
+            seen[row["method"], row["seed"]] = path
+            rows.append(row)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        settings = {r["settings"]: r for r in rows if r["method"] == method and "settings" in r}
+        if len(settings) > 1:
+            a, b = list(settings.values())[:2]
+            raise ValueError(f"{seen[method, b['seed']]}: {method} seed {b['seed']} ran other resolved settings than "
+                             f"seed {a['seed']} in {seen[method, a['seed']]}; only reports of the same settings pool")
+    return {"preset": first["preset"], "methods": first["methods"], "eval": first["eval"],
+            "seeds": ",".join(str(s) for s in sorted({r["seed"] for r in rows})),
+            "pooled_from": [{"file": str(path), "seeds": payload["seeds"]} for path, payload in reports],
+            "runs": rows, "table": aggregate(rows)}
+
+
 def _advantage(overrides: list[str]) -> str:
     return next((o.split("=", 1)[1] for o in overrides if o.startswith("ppo.advantage=")), "gae")
 
@@ -166,6 +215,8 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
     if run["status"] != "completed" or not summary_file.is_file():
         return {"seed": run["seed"], "run_id": run["run_id"], "failed": run["status"]}
     summary = json.loads(summary_file.read_text())
+    config = yaml.safe_load((summary_file.parent / "config.yaml").read_text())
+    config.pop("seed")
     final, best = summary["iterations"][-1], next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
     kl = final["eval/kl/mean"]
     return {"seed": run["seed"], "run_id": run["run_id"], "gold": final["eval/gold/mean"],
@@ -173,6 +224,8 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
             "length": final["eval/length/mean"], "win_rate_gold": final["eval/win_rate/gold"],
             "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
             "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
+            # the run's resolved settings but its seed: runs of one method in pooled reports must agree on it
+            "settings": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
             "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")},
             # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison)
             "minus_best_of_n_at_kl": {judge: final[f"eval/{judge}/mean"]
@@ -241,7 +294,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["tune", "report"])
+    parser.add_argument("phase", choices=["tune", "report", "pool"])
+    parser.add_argument("reports", nargs="*", type=Path, help="pool: the saved report files to pool")
     parser.add_argument("--seeds", default=None,
                         help=f"comma-separated (default: 0,1,2 to tune, {REPORT_SEEDS} to report)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -259,6 +313,17 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"evaluation prompts per run (default {TUNE_EVAL_PROMPTS} to tune, "
                              f"{REPORT_EVAL_PROMPTS} to report; another preset keeps its own)")
     args = parser.parse_args(argv)
+    if args.phase == "pool":
+        try:
+            payload = {"machine": machine(), "phase": "pool", **pool(args.reports)}
+        except ValueError as error:
+            parser.exit(2, f"run.py pool: {error}\n")
+        out = args.out or default_out("methods_pooled", smoke=payload["preset"] != "demo")
+        plot(payload["runs"], out.with_suffix(".png"))
+        write_result(payload, out)
+        return
+    if args.reports:
+        parser.error(f"report files are read by pool only, not by {args.phase}")
     args.seeds = args.seeds or ("0,1,2" if args.phase == "tune" else REPORT_SEEDS)
     smoke = args.preset != "demo"
     prompts = args.eval_prompts or (TUNE_EVAL_PROMPTS if args.phase == "tune" else REPORT_EVAL_PROMPTS)

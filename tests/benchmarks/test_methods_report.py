@@ -15,7 +15,8 @@ from benchmarks.methods.run import _run_row, aggregate
 BEST_OF_N = [(1, 0.0, 0.3, 0.1), (8, 1.2, 1.8, 0.5), (16, 1.84, 2.0, 0.6)]
 
 
-def _summary(state: Path, run_id: str, *, gold: float, heldout: float, kl: float) -> dict[str, object]:
+def _summary(state: Path, run_id: str, *, gold: float, heldout: float, kl: float,
+             kl_coef: float = 0.1) -> dict[str, object]:
     final = {"eval/gold/mean": gold, "eval/heldout/mean": heldout, "eval/proxy/mean": 1.0, "eval/kl/mean": kl,
              "eval/length/mean": 30.0, "eval/win_rate/gold": 0.6, "eval/reference/gold/mean": 0.3}
     summary = {"status": "ok", "heldout_status": "ok", "seconds": 60.0, "iterations": [final],
@@ -23,6 +24,7 @@ def _summary(state: Path, run_id: str, *, gold: float, heldout: float, kl: float
     folder = state / "runs" / run_id
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "config.yaml").write_text(f"name: demo\nseed: {run_id[-1]}\nppo:\n  kl:\n    coef: {kl_coef}\n")
     return {"seed": int(run_id[-1]), "run_id": run_id, "status": "completed"}
 
 
@@ -52,3 +54,58 @@ def test_the_table_averages_the_matched_kl_differences_over_seeds(tmp_path: Path
     # against best-of-16 itself (gold 2.0 on both seeds): +0.3 and -0.3
     assert ppo["gold_minus_best_of_16"]["mean"] == pytest.approx(0.0)
     assert ppo["gold_minus_best_of_16"]["se"] == pytest.approx(0.3)
+
+
+def _report(path: Path, rows: list[dict[str, object]], *, seeds: str, **over: object) -> Path:
+    payload = {"phase": "report", "preset": "demo", "seeds": seeds, "eval": ["eval.n_prompts=512"],
+               "methods": {"ppo": []}, "runs": rows, "table": {}, **over}
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_pool_recomputes_the_table_over_the_seeds_of_two_reports(tmp_path: Path, capsys):
+    from benchmarks.methods.run import main
+
+    # seed 0 in one report, seed 1 in the other: the same two runs as the table test above, so the same numbers
+    ppo0 = {"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo0", gold=2.3, heldout=0.65, kl=2.48))}
+    ppo1 = {"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo1", gold=1.7, heldout=0.75, kl=1.52))}
+    a = _report(tmp_path / "a.json", [ppo0], seeds="0")
+    b = _report(tmp_path / "b.json", [ppo1], seeds="1")
+    out = tmp_path / "pooled.json"
+    main(["pool", str(a), str(b), "--out", str(out)])
+    pooled = json.loads(out.read_text())
+    assert pooled["seeds"] == "0,1"
+    assert ppo0["settings"] == ppo1["settings"]  # the seed is not a setting
+    assert [p["seeds"] for p in pooled["pooled_from"]] == ["0", "1"]
+    ppo = pooled["table"]["ppo"]
+    assert ppo["gold"]["n"] == 2
+    assert ppo["gold"]["mean"] == pytest.approx(2.0)
+    assert ppo["gold_minus_best_of_n_at_kl"]["mean"] == pytest.approx(-0.05)
+    assert ppo["gold_minus_best_of_n_at_kl"]["se"] == pytest.approx(0.15)
+    assert ppo["gold_minus_best_of_16"]["se"] == pytest.approx(0.3)
+    assert out.with_suffix(".png").is_file()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("clash, message", [
+    ({"seeds": "0"}, "ppo seed 0 is also in"),
+    ({"seeds": "1", "eval": ["eval.n_prompts=256"]}, "its eval"),
+    ({"seeds": "1", "methods": {"ppo": ["ppo.kl.coef=0.2"]}}, "its methods"),
+    ({"seeds": "1", "phase": "tune"}, "not a methods report"),
+    ({"seeds": "1", "kl_coef": 0.2}, "ran other resolved settings than seed 0"),
+])
+def test_pool_refuses_reports_that_do_not_pool_in_one_line(tmp_path: Path, capsys, clash, message):
+    from benchmarks.methods.run import main
+
+    ppo0 = {"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo0", gold=2.3, heldout=0.65, kl=2.48))}
+    a = _report(tmp_path / "a.json", [ppo0], seeds="0")
+    # the same preset and overrides by name, but a run whose resolved settings differ (the preset changed between)
+    other = _run_row(tmp_path, _summary(tmp_path, "ppo1", gold=2.3, heldout=0.65, kl=2.48,
+                                        kl_coef=clash.pop("kl_coef", 0.1)))
+    b = _report(tmp_path / "b.json", [ppo0 if clash["seeds"] == "0" else {"method": "ppo", **other}], **clash)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pool", str(a), str(b), "--out", str(tmp_path / "pooled.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and str(b) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "pooled.json").exists()
