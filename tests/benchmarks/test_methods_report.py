@@ -109,3 +109,12 @@ def test_pool_refuses_reports_that_do_not_pool_in_one_line(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert message in err and str(b) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "pooled.json").exists()
+
+
+def test_pool_refuses_fewer_than_two_reports(tmp_path: Path, capsys):
+    from benchmarks.methods.run import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pool", str(_report(tmp_path / "a.json", [], seeds="0"))])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "run.py pool: pool needs two or more report files"
