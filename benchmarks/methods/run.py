@@ -46,8 +46,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.common import REPO, default_out, machine, write_result
 from rlhf_core.evaluation.metrics import best_of_n_kl, frontier_at
 
@@ -221,8 +219,6 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
     if run["status"] != "completed" or not summary_file.is_file():
         return {"seed": run["seed"], "run_id": run["run_id"], "failed": run["status"]}
     summary = json.loads(summary_file.read_text())
-    config = yaml.safe_load((summary_file.parent / "config.yaml").read_text())
-    config.pop("seed")
     final, best = summary["iterations"][-1], next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
     kl = final["eval/kl/mean"]
     return {"seed": run["seed"], "run_id": run["run_id"], "gold": final["eval/gold/mean"],
@@ -230,13 +226,26 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
             "length": final["eval/length/mean"], "win_rate_gold": final["eval/win_rate/gold"],
             "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
             "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
-            # the run's resolved settings but its seed: runs of one method in pooled reports must agree on it
-            "settings": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
+            "settings": settings_digest(summary_file.parent / "config.yaml"),
             "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")},
             # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison)
             "minus_best_of_n_at_kl": {judge: final[f"eval/{judge}/mean"]
                                       - frontier(summary["best_of_n"], judge, kl, clamp=False)
                                       for judge in ("gold", "heldout")}}
+
+
+def settings_digest(config_file: Path) -> str:
+    """What a run's stages compute, whatever its seed: a digest of every stage's config slice (``stage_configs``, what
+    enters their artifact keys) with the seed set to 0. Operational settings (the state folder, tracking, retention)
+    enter no slice, so the same settings in two state folders give the same digest; runs of one method in pooled
+    reports must agree on it."""
+    from flows.pipeline import stage_configs  # the flow knows which stages a config runs
+    from tasks.config import load_config
+    from tasks.run_store.keys import canonical
+
+    slices = stage_configs(load_config(config_file, None, ["seed=0"]))
+    text = json.dumps({label: canonical(config) for label, config in slices.items()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def frontier(points: Sequence[dict[str, float]], judge: str, kl: float, clamp: bool) -> float:

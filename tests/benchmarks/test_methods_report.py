@@ -24,7 +24,9 @@ def _summary(state: Path, run_id: str, *, gold: float, heldout: float, kl: float
     folder = state / "runs" / run_id
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps(summary))
-    (folder / "config.yaml").write_text(f"name: demo\nseed: {run_id[-1]}\nppo:\n  kl:\n    coef: {kl_coef}\n")
+    # each run in a state folder of its own, with its own retention: neither is a setting of what the run computes
+    (folder / "config.yaml").write_text(f"name: demo\nseed: {run_id[-1]}\nstate_dir: {folder}\nppo:\n"
+                                        f"  keep_resume_states: {int(run_id[-1]) + 1}\n  kl:\n    coef: {kl_coef}\n")
     return {"seed": int(run_id[-1]), "run_id": run_id, "status": "completed"}
 
 
@@ -75,7 +77,7 @@ def test_pool_recomputes_the_table_over_the_seeds_of_two_reports(tmp_path: Path,
     main(["pool", str(a), str(b), "--out", str(out)])
     pooled = json.loads(out.read_text())
     assert pooled["seeds"] == "0,1"
-    assert ppo0["settings"] == ppo1["settings"]  # the seed is not a setting
+    assert ppo0["settings"] == ppo1["settings"]  # the seed, the state folder and retention are not settings
     assert [p["seeds"] for p in pooled["pooled_from"]] == ["0", "1"]
     ppo = pooled["table"]["ppo"]
     assert ppo["gold"]["n"] == 2

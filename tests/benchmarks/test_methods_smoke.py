@@ -25,6 +25,7 @@ def test_the_report_phase_compares_methods_on_one_seed(tmp_path: Path):
     assert [(r["method"], r["seed"]) for r in result["runs"]] == [("ppo", 0), ("dpo", 0)]
     ppo, dpo = result["runs"]
     assert ppo["best_of_16"] == dpo["best_of_16"]  # one best-of-16 per seed: the shared stage, computed once
+    assert ppo["settings"] != dpo["settings"] and len(ppo["settings"]) == 16  # what each run's stages compute
     table = result["table"]
     assert set(table) == {"ppo", "dpo", "best-of-16"}
     assert table["ppo"]["gold"]["mean"] == pytest.approx(ppo["gold"])
