@@ -171,20 +171,22 @@ def plan_cells(config_file: str | None, preset: str | None, overrides: Sequence[
 def refuse_inert_keys(cells: Sequence[CellPlan]) -> None:
     """ConfigError for a grid key none of whose values changes any stage's config slice (at the first seed, the other
     keys at their first values): runs that differ only there would compute the same things."""
-    from flows.pipeline import stage_configs  # the flow knows which stages run
-
     first_seed, keys = cells[0].seed, list(cells[0].setting)
     for key in keys:
         others = {k: v for k, v in cells[0].setting.items() if k != key}
         varying = [c for c in cells if c.seed == first_seed and all(c.setting[k] == v for k, v in others.items())]
-        slices = [_canonical_slices(stage_configs(c.config)) for c in varying]
+        slices = [stage_slices(c.config) for c in varying]
         if len(slices) > 1 and all(s == slices[0] for s in slices[1:]):
             raise ConfigError(f"--grid {key}: it enters no stage (every stage gets the same settings whatever its "
                               "value, so the runs would compute the same things); sweep a setting a stage reads")
 
 
-def _canonical_slices(slices: Mapping[str, Any]) -> dict[str, Any]:
-    return {label: canonical(config) for label, config in slices.items()}
+def stage_slices(config: PipelineConfig) -> dict[str, Any]:
+    """Every stage's config slice that ``config`` runs, by label, in the canonical form its artifact key hashes: two
+    configs with equal slices compute the same things (the state folder, tracking and retention enter none)."""
+    from flows.pipeline import stage_configs  # the flow knows which stages run
+
+    return {label: canonical(slice_) for label, slice_ in stage_configs(config).items()}
 
 
 def setting_label(setting: Mapping[str, str]) -> str:

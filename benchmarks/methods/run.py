@@ -235,16 +235,13 @@ def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def settings_digest(config_file: Path) -> str:
-    """What a run's stages compute, whatever its seed: a digest of every stage's config slice (``stage_configs``, what
-    enters their artifact keys) with the seed set to 0. Operational settings (the state folder, tracking, retention)
-    enter no slice, so the same settings in two state folders give the same digest; runs of one method in pooled
-    reports must agree on it."""
-    from flows.pipeline import stage_configs  # the flow knows which stages a config runs
+    """What a run's stages compute, whatever its seed: a digest of every stage's config slice with the seed set to 0
+    (``stage_slices``: what enters the artifact keys, the slices ``rlhf sweep`` compares to refuse an inert grid key;
+    the state folder, tracking and retention enter none). Runs of one method in pooled reports must agree on it."""
+    from flows.sweep_plan import stage_slices
     from tasks.config import load_config
-    from tasks.run_store.keys import canonical
 
-    slices = stage_configs(load_config(config_file, None, ["seed=0"]))
-    text = json.dumps({label: canonical(config) for label, config in slices.items()}, sort_keys=True)
+    text = json.dumps(stage_slices(load_config(config_file, None, ["seed=0"])), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
