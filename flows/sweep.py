@@ -26,7 +26,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from flows.logs import run_logging
 from flows.pipeline import rlhf_pipeline
-from flows.sweep_plan import selector, setting_label
+from flows.sweep_plan import launch_order, selector, setting_label
 from flows.sweep_report import build_report, report_markdown, winner_metrics
 from tasks import tracking
 from tasks.config import load_config
@@ -147,11 +147,12 @@ class RunsProcessPool(ProcessPoolTaskRunner):
 
 
 def _run_cells(record: SweepRecord, state_dir: str) -> dict[str, str]:
-    """Each run's task, submitted in the sweep's order (seed by seed: a seed's first run computes what the others
-    reuse); a run that fails is recorded (its own record and log say why) and the others go on."""
+    """Each run's task, submitted in :func:`~flows.sweep_plan.launch_order` (a seed's first run computes what the
+    others reuse, while runs of other seeds use the other slots); a run that fails is recorded (its own record and log
+    say why) and the others go on."""
     futures = {cell.run_id: sweep_run_task.submit(f"{setting_label(cell.setting)} seed={cell.seed}", cell.run_id,
                                                   state_dir)
-               for cell in record.cells}
+               for cell in launch_order(record.cells)}
     statuses = {}
     for run_id, future in futures.items():
         try:

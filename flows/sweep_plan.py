@@ -17,6 +17,7 @@ from typing import Any
 from rlhf_core.evaluation.metrics import frontier_at
 from tasks.config import ConfigError, PipelineConfig
 from tasks.preflight import resolve_config
+from tasks.run_store import SweepCell
 from tasks.run_store.keys import canonical
 from tasks.typed_yaml import one_line
 
@@ -166,6 +167,19 @@ def plan_cells(config_file: str | None, preset: str | None, overrides: Sequence[
                 config = resolve_config(config_file, preset, cell_overrides)
             cells.append(CellPlan(setting, seed, cell_overrides, config))
     return cells
+
+
+def launch_order(cells: Sequence[SweepCell]) -> list[SweepCell]:
+    """``cells`` (in plan order, seed by seed) in the order their runs start: the first of every seed, then the second
+    of every seed, and so on. Runs side by side are then of different seeds while there are as many seeds as slots,
+    so none waits for a run of its own seed to compute the stages they share (in plan order, the second slot went to
+    a run that waited for the first to finish SFT and the reward models, or every iteration a longer run continues)."""
+    rank: dict[int, int] = {}
+    positions = []
+    for index, cell in enumerate(cells):
+        positions.append((rank.get(cell.seed, 0), index))
+        rank[cell.seed] = rank.get(cell.seed, 0) + 1
+    return [cells[index] for _, index in sorted(positions)]
 
 
 def refuse_inert_keys(cells: Sequence[CellPlan]) -> None:

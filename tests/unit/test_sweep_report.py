@@ -140,3 +140,37 @@ def test_runs_side_by_side_go_to_worker_processes_never_threads():
     assert isinstance(runs_runner(1), ThreadPoolTaskRunner) and runs_runner(1)._max_workers == 1
     runner = runs_runner(2)
     assert isinstance(runner, ProcessPoolTaskRunner) and runner._max_workers == 2
+
+
+def test_runs_start_in_turn_over_the_seeds_so_runs_side_by_side_do_not_wait_on_each_other(monkeypatch) -> None:
+    """In plan order (seed by seed) two slots would hold two runs of one seed, the second waiting while the first
+    computes the stages they share; the launch order takes every seed's first run, then every seed's second."""
+    import flows.sweep as sweep_flow
+    from flows.sweep_plan import launch_order
+    from tasks.run_store import SweepCell, SweepRecord
+
+    cells = [SweepCell({"ppo.iterations": value}, seed, f"run-{value}-{seed}")
+             for seed in (0, 1, 2) for value in ("3", "5")]
+    assert [c.run_id for c in launch_order(cells)] == ["run-3-0", "run-3-1", "run-3-2", "run-5-0", "run-5-1",
+                                                       "run-5-2"]
+    one_seed = [c for c in cells if c.seed == 1]
+    assert launch_order(one_seed) == one_seed
+    assert launch_order(cells[:3]) == [cells[0], cells[2], cells[1]]  # seed 0 twice, seed 1 once
+
+    submitted = []
+
+    class Finished:
+        def result(self) -> str:
+            return "completed"
+
+    class Task:
+        def submit(self, label: str, run_id: str, state_dir: str) -> Finished:
+            submitted.append(run_id)
+            return Finished()
+
+    monkeypatch.setattr(sweep_flow, "sweep_run_task", Task())
+    record = SweepRecord("sweep-1", "tiny", None, [], {"ppo.iterations": ["3", "5"]}, [0, 1, 2], "heldout",
+                         cells=cells, concurrency=2)
+    statuses = sweep_flow._run_cells(record, "unused")
+    assert submitted == [c.run_id for c in launch_order(cells)]
+    assert statuses == {c.run_id: "completed" for c in cells}
