@@ -93,7 +93,7 @@ TUNING: dict[str, dict[str, Any]] = {
         # round 8, rule E, declared before it runs: four iterations between them. It computes nothing new (a
         # 4-iteration policy is iteration 4 of round 7's 5-iteration runs), and its held-out and KL numbers were seen
         # in round 7's runs before it was declared (gold of iteration 4 was not). A choice of 4 is reported on seeds
-        # 13-17.
+        # 13-17. Chosen: 4 (held-out +0.115 over 3 on every seed at mean KL 3.11); the preset takes it.
         {"ppo.iterations": ["3", "4", "5"]},
     ]},
     "dpo": {"fixed": ["method=dpo"], "rounds": [
