@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.methods.run report                  # gold on seeds never looked at (~2 h)
     .venv/bin/python -m benchmarks.methods.run report --seeds 0 --preset tiny   # a smoke run of every method
     .venv/bin/python -m benchmarks.methods.run pool A.json B.json --out C.json  # one table over two reports' seeds
+    .venv/bin/python -m benchmarks.methods.run record --state-dir S --sweep ID --round 8 --note "..."  # one round
 
 The protocol:
 
@@ -26,6 +27,10 @@ The protocol:
 3. **Pool** (``pool``): the table recomputed over the runs of several saved reports of the same settings on
    different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran different
    settings, presets or evaluation sizes, or share a seed.
+4. **Record** (``record``): one tuning round, run as an `rlhf sweep` by hand (as rounds 6 on were), written as
+   ``benchmarks/results/methods_round<N>_tuning.json`` from its state folder: the sweep's command, its report and
+   every run's judges at every iteration (gold among them, for the record: the sweep chose without it), beside the
+   sweep's frontier plot. Nothing is rerun.
 
 All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
 JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
@@ -38,6 +43,8 @@ import hashlib
 import json
 import math
 import os
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -215,6 +222,50 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
             "runs": rows, "table": aggregate(rows)}
 
 
+#: A run's per-iteration evaluation in a round's record (the summary's ``eval/<name>``).
+ROUND_JUDGES = ("heldout/mean", "kl/mean", "proxy/mean", "gold/mean", "length/mean")
+
+
+def record(state: Path, sweep_id: str, round_: int, note: str) -> dict[str, Any]:
+    """One tuning round from the state folder of the `rlhf sweep` that ran it: the sweep's command line (rebuilt from
+    its record), its report (``sweep_report.json``: the settings' table and the winner) and, per run, every
+    iteration's judges, its verdicts and its seed's best-of-16. Raises ``ValueError`` (one line) when the sweep is
+    unknown or has no report yet. ``commit`` is this checkout's: record a round from the checkout that ran it."""
+    folder = state / "sweeps" / sweep_id
+    if not (folder / "sweep.json").is_file():
+        raise ValueError(f"no sweep {sweep_id} in {state} (no {folder / 'sweep.json'})")
+    if not (folder / "sweep_report.json").is_file():
+        raise ValueError(f"sweep {sweep_id} has no report yet; finish it with `rlhf sweep --resume {sweep_id} "
+                         f"--state-dir {state}`")
+    sweep = json.loads((folder / "sweep.json").read_text())
+    report = json.loads((folder / "sweep_report.json").read_text())
+    runs = []
+    for run in report["runs"]:
+        summary_file = state / "runs" / run["run_id"] / "summary.json"
+        row = {"setting": run["setting"], "seed": run["seed"], "run_id": run["run_id"]}
+        if run["status"] != "completed" or not summary_file.is_file():
+            runs.append({**row, "failed": run["status"]})
+            continue
+        summary = json.loads(summary_file.read_text())
+        runs.append({**row, "iterations": [{name: it[f"eval/{name}"] for name in ROUND_JUDGES}
+                                           for it in summary["iterations"]],
+                     "heldout_status": summary.get("heldout_status"), "status": summary["status"],
+                     "best_of_16": next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return {"round": round_, "commit": commit.stdout.strip() or None, "preset": sweep["preset"],
+            "command": sweep_command(sweep), "note": note, "report": report, "runs": runs}
+
+
+def sweep_command(sweep: dict[str, Any]) -> str:
+    """The `rlhf sweep` command line a sweep's record (``sweep.json``) was started with, shell-quoted."""
+    source = ["--config", sweep["config_file"]] if sweep.get("config_file") else ["--preset", sweep["preset"]]
+    budget = ["--kl-budget", f"{sweep['kl_budget']:.4f}"] if sweep.get("kl_budget") else []
+    grids = [arg for key, values in sweep["grid"].items() for arg in ("--grid", f"{key}={','.join(values)}")]
+    return shlex.join(["rlhf", "sweep", *source, "--seeds", ",".join(str(s) for s in sweep["seeds"]),
+                       "--select", sweep["select"], *budget, "--concurrency", str(sweep.get("concurrency", 1)),
+                       *grids, *sweep["overrides"]])
+
+
 def _advantage(overrides: list[str]) -> str:
     return next((o.split("=", 1)[1] for o in overrides if o.startswith("ppo.advantage=")), "gae")
 
@@ -312,7 +363,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["tune", "report", "pool"])
+    parser.add_argument("phase", choices=["tune", "report", "pool", "record"])
     parser.add_argument("reports", nargs="*", type=Path, help="pool: the saved report files to pool")
     parser.add_argument("--seeds", default=None,
                         help=f"comma-separated (default: 0,1,2 to tune, {REPORT_SEEDS} to report)")
@@ -330,7 +381,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=int, default=None,
                         help=f"evaluation prompts per run (default {TUNE_EVAL_PROMPTS} to tune, "
                              f"{REPORT_EVAL_PROMPTS} to report; another preset keeps its own)")
+    parser.add_argument("--sweep", default=None, help="record: the sweep id of the round (in --state-dir)")
+    parser.add_argument("--round", type=int, default=None, help="record: the round's number (TUNING's order)")
+    parser.add_argument("--note", default="", help="record: what the round was and how it was run")
     args = parser.parse_args(argv)
+    if args.phase == "record":
+        if args.state_dir is None or args.sweep is None or args.round is None:
+            parser.error("record needs --state-dir, --sweep and --round")
+        try:
+            payload = record(args.state_dir, args.sweep, args.round, args.note)
+        except ValueError as error:
+            parser.exit(2, f"run.py record: {error}\n")
+        out = args.out or default_out(f"methods_round{args.round}_tuning", smoke=payload["preset"] != "demo")
+        write_result(payload, out)
+        plot_file = args.state_dir / "sweeps" / args.sweep / "sweep_frontier.png"
+        if plot_file.is_file():
+            shutil.copyfile(plot_file, out.with_suffix(".png"))
+        return
     if args.phase == "pool":
         try:
             payload = {"machine": machine(), "phase": "pool", **pool(args.reports)}

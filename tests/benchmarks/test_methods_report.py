@@ -120,3 +120,63 @@ def test_pool_refuses_fewer_than_two_reports(tmp_path: Path, capsys):
         main(["pool", str(_report(tmp_path / "a.json", [], seeds="0"))])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "run.py pool: pool needs two or more report files"
+
+
+def _round_state(state: Path, *, finished: bool = True) -> None:
+    """A tuning round's sweep folder as `rlhf sweep` leaves it: two settings on seed 0, one run failed."""
+    folder = state / "sweeps" / "S1"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text(json.dumps({
+        "sweep_id": "S1", "preset": "demo", "config_file": None, "seeds": [0], "select": "heldout",
+        "concurrency": 2, "kl_budget": 3.174478, "grid": {"ppo": ['{"rollout_batch_size":64}', '{"a":1}']},
+        "overrides": ["eval.n_prompts=256"]}))
+    runs = [{"run_id": "r3", "seed": 0, "setting": {"ppo": '{"rollout_batch_size":64}'}, "status": "completed"},
+            {"run_id": "r4", "seed": 0, "setting": {"ppo": '{"a":1}'}, "status": "crashed"}]
+    if finished:
+        (folder / "sweep_report.json").write_text(json.dumps({"winner": "ppo=x", "runs": runs}))
+        (folder / "sweep_frontier.png").write_bytes(b"png")
+    (state / "runs" / "r3").mkdir(parents=True)
+    iteration = {"eval/heldout/mean": 0.5, "eval/kl/mean": 2.0, "eval/proxy/mean": 1.0, "eval/gold/mean": 1.5,
+                 "eval/length/mean": 30.0, "eval/win_rate/gold": 0.6}
+    (state / "runs" / "r3" / "summary.json").write_text(json.dumps({
+        "status": "ok", "heldout_status": "warn", "iterations": [iteration, {**iteration, "eval/kl/mean": 2.5}],
+        "best_of_n": [{"n": 1, "kl": 0.0, "gold": 0.3}, {"n": 16, "kl": 1.84, "gold": 2.0}]}))
+
+
+def test_record_writes_one_tuning_round_from_its_sweep(tmp_path: Path, capsys):
+    from benchmarks.methods.run import main
+
+    _round_state(tmp_path)
+    out = tmp_path / "round.json"
+    main(["record", "--state-dir", str(tmp_path), "--sweep", "S1", "--round", "5", "--note", "n", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    # the command as it was typed, quoted for a shell: the JSON grid values survive a copy and paste
+    assert payload["command"] == ("rlhf sweep --preset demo --seeds 0 --select heldout --kl-budget 3.1745 "
+                                  "--concurrency 2 --grid 'ppo={\"rollout_batch_size\":64},{\"a\":1}' "
+                                  "eval.n_prompts=256")
+    assert (payload["round"], payload["note"], payload["report"]["winner"]) == (5, "n", "ppo=x")
+    ok, failed = payload["runs"]
+    assert [it["kl/mean"] for it in ok["iterations"]] == [2.0, 2.5]
+    assert ok["iterations"][0] == {"heldout/mean": 0.5, "kl/mean": 2.0, "proxy/mean": 1.0, "gold/mean": 1.5,
+                                   "length/mean": 30.0}
+    assert (ok["status"], ok["heldout_status"], ok["best_of_16"]["gold"]) == ("ok", "warn", 2.0)
+    assert failed == {"setting": {"ppo": '{"a":1}'}, "seed": 0, "run_id": "r4", "failed": "crashed"}
+    assert out.with_suffix(".png").read_bytes() == b"png"
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("sweep_id, finished, message", [
+    ("S2", True, "no sweep S2 in"),
+    ("S1", False, "has no report yet; finish it with `rlhf sweep --resume S1"),
+])
+def test_record_refuses_a_sweep_without_a_report_in_one_line(tmp_path: Path, capsys, sweep_id, finished, message):
+    from benchmarks.methods.run import main
+
+    _round_state(tmp_path, finished=finished)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["record", "--state-dir", str(tmp_path), "--sweep", sweep_id, "--round", "1",
+              "--out", str(tmp_path / "round.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "round.json").exists()
