@@ -136,11 +136,10 @@ def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], over
     (``sweep_report.json``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    grids = [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
     command = [sys.executable, "-m", "flows.cli", "sweep", "--preset", preset, "--state-dir", str(state),
                "--seeds", seeds, "--select", select, "--concurrency", str(concurrency),
                *(["--kl-budget", str(kl_budget)] if kl_budget else []),
-               *grids, *overrides]
+               *_grid_args(grid), *overrides]
     with log.open("w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     line = next((ln for ln in log.read_text().splitlines() if ln.startswith("report: ")), None)
@@ -242,16 +241,14 @@ def record(state: Path, sweep_id: str, round_: int, note: str) -> dict[str, Any]
     report = json.loads((folder / "sweep_report.json").read_text())
     runs = []
     for run in report["runs"]:
-        summary_file = state / "runs" / run["run_id"] / "summary.json"
         row = {"setting": run["setting"], "seed": run["seed"], "run_id": run["run_id"]}
-        if run["status"] != "completed" or not summary_file.is_file():
+        if (summary := _summary(state, run)) is None:
             runs.append({**row, "failed": run["status"]})
             continue
-        summary = json.loads(summary_file.read_text())
         runs.append({**row, "iterations": [{name: it[f"eval/{name}"] for name in ROUND_JUDGES}
                                            for it in summary["iterations"]],
                      "heldout_status": summary.get("heldout_status"), "status": summary["status"],
-                     "best_of_16": next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)})
+                     "best_of_16": _best_of_16(summary)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {"round": round_, "commit": commit.stdout.strip() or None, "preset": sweep["preset"],
             "command": sweep_command(sweep), "note": note, "report": report, "runs": runs}
@@ -261,10 +258,26 @@ def sweep_command(sweep: dict[str, Any]) -> str:
     """The `rlhf sweep` command line a sweep's record (``sweep.json``) was started with, shell-quoted."""
     source = ["--config", sweep["config_file"]] if sweep.get("config_file") else ["--preset", sweep["preset"]]
     budget = ["--kl-budget", f"{sweep['kl_budget']:.4f}"] if sweep.get("kl_budget") else []
-    grids = [arg for key, values in sweep["grid"].items() for arg in ("--grid", f"{key}={','.join(values)}")]
     return shlex.join(["rlhf", "sweep", *source, "--seeds", ",".join(str(s) for s in sweep["seeds"]),
                        "--select", sweep["select"], *budget, "--concurrency", str(sweep.get("concurrency", 1)),
-                       *grids, *sweep["overrides"]])
+                       *_grid_args(sweep["grid"]), *sweep["overrides"]])
+
+
+def _grid_args(grid: dict[str, list[str]]) -> list[str]:
+    """``rlhf sweep``'s ``--grid KEY=V1,V2`` arguments for a grid."""
+    return [arg for key, values in grid.items() for arg in ("--grid", f"{key}={','.join(values)}")]
+
+
+def _summary(state: Path, run: dict[str, Any]) -> dict[str, Any] | None:
+    """A sweep run's ``summary.json``; None when the sweep records it as not completed or it wrote none."""
+    summary_file = state / "runs" / run["run_id"] / "summary.json"
+    if run["status"] != "completed" or not summary_file.is_file():
+        return None
+    return json.loads(summary_file.read_text())
+
+
+def _best_of_16(summary: dict[str, Any]) -> dict[str, Any]:
+    return next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
 
 
 def _advantage(overrides: list[str]) -> str:
@@ -273,18 +286,16 @@ def _advantage(overrides: list[str]) -> str:
 
 def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:
     """A run's final gold, held-out, proxy, KL, verdicts and its seed's best-of-16, from its summary."""
-    summary_file = state / "runs" / run["run_id"] / "summary.json"
-    if run["status"] != "completed" or not summary_file.is_file():
+    if (summary := _summary(state, run)) is None:
         return {"seed": run["seed"], "run_id": run["run_id"], "failed": run["status"]}
-    summary = json.loads(summary_file.read_text())
-    final, best = summary["iterations"][-1], next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
+    final, best = summary["iterations"][-1], _best_of_16(summary)
     kl = final["eval/kl/mean"]
     return {"seed": run["seed"], "run_id": run["run_id"], "gold": final["eval/gold/mean"],
             "heldout": final["eval/heldout/mean"], "proxy": final["eval/proxy/mean"], "kl": kl,
             "length": final["eval/length/mean"], "win_rate_gold": final["eval/win_rate/gold"],
             "gold_sft": final["eval/reference/gold/mean"], "status": summary["status"],
             "heldout_status": summary.get("heldout_status"), "seconds": summary.get("seconds"),
-            "settings": settings_digest(summary_file.parent / "config.yaml"),
+            "settings": settings_digest(state / "runs" / run["run_id"] / "config.yaml"),
             "best_of_16": {k: best[k] for k in ("gold", "heldout", "proxy", "kl")},
             # the score minus the seed's best-of-N curve at the run's own KL (Gao et al.'s matched-KL comparison)
             "minus_best_of_n_at_kl": {judge: final[f"eval/{judge}/mean"]
