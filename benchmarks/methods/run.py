@@ -8,13 +8,14 @@
 
 The protocol:
 
-1. **Tune** (``tune``): each method's grids (``TUNING``) run as `rlhf sweep` on the tuning seeds, round after round:
-   a round's grid sits on top of the settings the earlier rounds chose. The sweep names the winner by ``--select``,
-   leaving out runs its verdict flags as hacking; gold is never read for this. Each rule was declared before the
-   rounds it chose: rounds 1 and 2 by ``heldout`` (the final held-out mean), round 3 by ``frontier`` (the held-out
-   reward model's gain over best-of-N at the run's KL, best-of-N continued linearly past N = 16), and from round 4
-   on by ``heldout`` within a KL budget (``--kl-budget``, default best-of-64's KL, log 64 - 63/64 = 3.17 nats:
-   settings whose mean final KL is above it are not eligible). How each rule ranked the settings against gold is in
+1. **Tune** (``tune``): each method's grids (``TUNING`` in ``benchmarks/methods/protocol.py``, with every other
+   setting of the protocol) run as `rlhf sweep` on the tuning seeds, round after round: a round's grid sits on top of
+   the settings the earlier rounds chose. The sweep names the winner by ``--select``, leaving out runs its verdict
+   flags as hacking; gold is never read for this. Each rule was declared before the rounds it chose: PPO's rounds 1
+   and 2 by ``heldout`` (the final held-out mean), round 3 by ``frontier`` (the held-out reward model's gain over
+   best-of-N at the run's KL, best-of-N continued linearly past N = 16), and from round 4 on by ``heldout`` within a
+   KL budget (``--kl-budget``, default best-of-64's KL, log 64 - 63/64 = 3.17 nats: settings whose mean final KL is
+   above it are not eligible). How each rule ranked the settings against gold is in
    ``benchmarks/methods/selection.py`` and docs/results.md. The chosen settings are written to
    ``benchmarks/results/methods_tuning.json``.
 2. **Report** (``report``): each method's chosen settings (``METHODS``, copied from the tuning result; the demo
@@ -28,7 +29,8 @@ The protocol:
    different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran different
    settings, presets or evaluation sizes, or share a seed.
 4. **Record** (``record``): one tuning round, run as an `rlhf sweep` by hand (as rounds 6 on were), written as
-   ``benchmarks/results/methods_round<N>_tuning.json`` from its state folder: the sweep's command, its report and
+   ``benchmarks/results/methods_round<N>_tuning.json`` (PPO's) or ``methods_<method>_round<N>_tuning.json`` from its
+   state folder: the sweep's command, its report and
    every run's judges at every iteration (gold among them, for the record: the sweep chose without it), beside the
    sweep's frontier plot. Nothing is rerun.
 
@@ -54,80 +56,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, default_out, machine, write_result
-from rlhf_core.evaluation.metrics import best_of_n_kl, frontier_at
-
-#: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; the critic-free
-#: estimators were not tuned yet: they run at the PPO rate of the preset before tuning.
-METHODS: dict[str, list[str]] = {
-    "ppo": [],
-    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.learning_rate=1e-4"],
-    "rloo": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4", "ppo.learning_rate=1e-4"],
-    "reinforce_pp": ["ppo.advantage=reinforce_pp", "ppo.learning_rate=1e-4"],
-    "dpo": ["method=dpo"],
-}
-#: Per method: its fixed settings, then the grids tuned round after round (each on top of the earlier winners).
-TUNING: dict[str, dict[str, Any]] = {
-    "ppo": {"fixed": [], "rounds": [
-        {"ppo.learning_rate": ["1e-4", "2e-4"], "ppo.critic_warmup_updates": ["0", "3"]},
-        {"ppo.kl.coef": ["0.05", "0.1"], "refresh.every_k": ["0", "1"]},
-        # round 3, the first chosen by the frontier rule: a larger coefficient, and the rate again (rounds 1 and 2
-        # had chosen the rate by the final held-out mean), with round 2's refresh after every iteration
-        {"ppo.kl.coef": ["0.1", "0.2"], "ppo.learning_rate": ["1e-4", "2e-4"]},
-        # round 4, the first chosen within the KL budget: a proxy ensemble of 3 members as PPO's reward (Coste et al.
-        # 2023), their mean or mean - std; the incumbent (one proxy) competes with round 3's runs of it
-        # (`selection.py --incumbent`). Chosen: mean_minus_std (held-out +0.05 over the incumbent; reported: gold
-        # 0.26 below best-of-16)
-        {"reward_model.ensemble_size": ["3"], "ppo.reward.ensemble": ["mean", "mean_minus_std"]},
-        # round 5, rule E again: four times the rollouts per update at the same optimizer steps (mini-batches four
-        # times larger), against the preset (its own runs in this round). PPO reaches less proxy per nat of KL than
-        # best-of-N; if gradient noise is what spends that KL, averaging over more rollouts should buy more reward
-        # per nat (a value sets both keys as one mapping, written without spaces: a setting's name splits on them).
-        # Chosen: 256 / 128 (held-out +0.11 on every seed; reported: gold 0.255 below best-of-16, sd halved)
-        {"ppo": ['{"rollout_batch_size":64,"mini_batch_size":32}', '{"rollout_batch_size":256,"mini_batch_size":128}']},
-        # round 6, rule E, declared before it ran: half the KL coefficient at round 5's batch, against the preset's
-        # 0.2. Round 5's report found PPO on the held-out judge's best-of-N curve at its own KL but ending short of
-        # best-of-16's KL (1.37 against 1.84 nats), where that curve is higher. Its choice is reported on seeds 8-12
-        # (seeds 3-7 informed this grid). Chosen: 0.1 (held-out +0.09 on every seed at KL 2.5; reported on seeds
-        # 8-12: gold 0.14 (0.09) above best-of-16 and 0.31 (0.08) above DPO; replicated on seeds 13-17: 0.07 (0.10)
-        # and 0.28 (0.09))
-        {"ppo.kl.coef": ["0.1", "0.2"]},
-        # round 7, rule E, declared before it ran: two more iterations (a refresh after each but the last, as the
-        # preset does). On the report seeds 8-12 gold rose at the last of the preset's 3 iterations on every seed and
-        # the held-out judge on 4 of 5. Iterations 1-3 are the preset's own (a constant learning rate keeps their
-        # keys), so the 5-iteration runs continue the 3-iteration ones. Chosen: 3 (5 raised the held-out mean by 0.13
-        # on every seed, but at mean KL 3.39, over the budget); the preset is unchanged.
-        {"ppo.iterations": ["3", "5"]},
-        # round 8, rule E, declared before it runs: four iterations between them. It computes nothing new (a
-        # 4-iteration policy is iteration 4 of round 7's 5-iteration runs), and its held-out and KL numbers were seen
-        # in round 7's runs before it was declared (gold of iteration 4 was not). A choice of 4 is reported on seeds
-        # 13-17. Chosen: 4 (held-out +0.115 over 3 on every seed at mean KL 3.11); the preset takes it. Reported on
-        # seeds 13-17: gold 0.18 (0.06) above best-of-16 and 0.39 (0.10) above DPO, on every seed
-        {"ppo.iterations": ["3", "4", "5"]},
-    ]},
-    "dpo": {"fixed": ["method=dpo"], "rounds": [
-        {"dpo.beta": ["0.1", "0.3", "0.5"]},
-    ]},
-    "grpo": {"fixed": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4"], "rounds": [
-        {"ppo.learning_rate": ["1e-4", "2e-4"]},
-    ]},
-    "rloo": {"fixed": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4"], "rounds": [
-        {"ppo.learning_rate": ["1e-4", "2e-4"]},
-    ]},
-    "reinforce_pp": {"fixed": ["ppo.advantage=reinforce_pp"], "rounds": [
-        {"ppo.learning_rate": ["1e-4", "2e-4"]},
-    ]},
-}
-#: Evaluation prompts of every tuning run: more than the demo's 128 (less noise in the choice) ...
-TUNE_EVAL_PROMPTS = 256
-#: ... and of every report run: more again, so that a gap of a few tenths of gold is beyond two standard errors.
-REPORT_EVAL_PROMPTS = 512
-BEST_OF = 16
-#: The seeds the next report runs on: no run of this work has used them (3-7 reported the choices of rounds 1-5, 8-12
-#: round 6's, 13-17 round 6's again and round 8's; docs/results.md declares which choice each set reports).
-REPORT_SEEDS = "18,19,20,21,22"
-#: The tuning rounds' KL budget from round 4 on: best-of-64's KL (nats per reply), the furthest best-of-N point
-#: measured (benchmarks/methods/frontier.py), past which best-of-N's held-out and gold curves are flat.
-KL_BUDGET = best_of_n_kl(64)
+from benchmarks.methods.protocol import (BEST_OF, KL_BUDGET, METHODS, REPORT_EVAL_PROMPTS, REPORT_SEEDS,
+                                         TUNE_EVAL_PROMPTS, TUNING)
+from rlhf_core.evaluation.metrics import frontier_at
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
@@ -227,10 +158,11 @@ ROUND_JUDGES = ("heldout/mean", "kl/mean", "proxy/mean", "gold/mean", "length/me
 
 
 def record(state: Path, sweep_id: str, round_: int, note: str) -> dict[str, Any]:
-    """One tuning round from the state folder of the `rlhf sweep` that ran it: the sweep's command line (rebuilt from
-    its record), its report (``sweep_report.json``: the settings' table and the winner) and, per run, every
-    iteration's judges, its verdicts and its seed's best-of-16. Raises ``ValueError`` (one line) when the sweep is
-    unknown or has no report yet. ``commit`` is this checkout's: record a round from the checkout that ran it."""
+    """One tuning round from the state folder of the `rlhf sweep` that ran it: the method it tuned (read from the
+    sweep's settings), the sweep's command line (rebuilt from its record), its report (``sweep_report.json``: the
+    settings' table and the winner) and, per run, every iteration's judges, its verdicts and its seed's best-of-16.
+    Raises ``ValueError`` (one line) when the sweep is unknown or has no report yet. ``commit`` is this checkout's:
+    record a round from the checkout that ran it."""
     folder = state / "sweeps" / sweep_id
     if not (folder / "sweep.json").is_file():
         raise ValueError(f"no sweep {sweep_id} in {state} (no {folder / 'sweep.json'})")
@@ -250,14 +182,23 @@ def record(state: Path, sweep_id: str, round_: int, note: str) -> dict[str, Any]
                      "heldout_status": summary.get("heldout_status"), "status": summary["status"],
                      "best_of_16": _best_of_16(summary)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return {"round": round_, "commit": commit.stdout.strip() or None, "preset": sweep["preset"],
-            "command": sweep_command(sweep), "note": note, "report": report, "runs": runs}
+    return {"method": sweep_method(sweep), "round": round_, "commit": commit.stdout.strip() or None,
+            "preset": sweep["preset"], "command": sweep_command(sweep), "note": note, "report": report, "runs": runs}
+
+
+def sweep_method(sweep: dict[str, Any]) -> str:
+    """The method a sweep's runs train (a name of ``METHODS``), from its overrides and its grid's single values."""
+    settings = [*sweep["overrides"], *(f"{k}={v[0]}" for k, v in sweep["grid"].items() if len(v) == 1)]
+    if "method=dpo" in settings:
+        return "dpo"
+    advantage = _advantage(settings)
+    return "ppo" if advantage == "gae" else advantage
 
 
 def sweep_command(sweep: dict[str, Any]) -> str:
     """The `rlhf sweep` command line a sweep's record (``sweep.json``) was started with, shell-quoted."""
     source = ["--config", sweep["config_file"]] if sweep.get("config_file") else ["--preset", sweep["preset"]]
-    budget = ["--kl-budget", f"{sweep['kl_budget']:.4f}"] if sweep.get("kl_budget") else []
+    budget = ["--kl-budget", repr(sweep["kl_budget"])] if sweep.get("kl_budget") else []  # exact: it pastes back
     return shlex.join(["rlhf", "sweep", *source, "--seeds", ",".join(str(s) for s in sweep["seeds"]),
                        "--select", sweep["select"], *budget, "--concurrency", str(sweep.get("concurrency", 1)),
                        *_grid_args(sweep["grid"]), *sweep["overrides"]])
@@ -404,7 +345,9 @@ def main(argv: list[str] | None = None) -> None:
             payload = record(args.state_dir, args.sweep, args.round, args.note)
         except ValueError as error:
             parser.exit(2, f"run.py record: {error}\n")
-        out = args.out or default_out(f"methods_round{args.round}_tuning", smoke=payload["preset"] != "demo")
+        # PPO's rounds keep the names they were first written under; another method's carry its name
+        name = "methods" if payload["method"] == "ppo" else f"methods_{payload['method']}"
+        out = args.out or default_out(f"{name}_round{args.round}_tuning", smoke=payload["preset"] != "demo")
         write_result(payload, out)
         plot_file = args.state_dir / "sweeps" / args.sweep / "sweep_frontier.png"
         if plot_file.is_file():

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import default_out, write_result
-from benchmarks.methods.run import KL_BUDGET, frontier, mean_se
+from benchmarks.methods.protocol import KL_BUDGET
+from benchmarks.methods.run import frontier, mean_se
 from flows.sweep_plan import setting_label
 from flows.sweep_report import over_kl_budget
 from rlhf_core.evaluation.metrics import spearman

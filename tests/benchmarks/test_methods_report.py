@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from benchmarks.methods.protocol import KL_BUDGET
 from benchmarks.methods.run import _run_row, aggregate
 
 #: One seed's best-of-N points (n, KL, gold, held-out): best-of-16's KL rounded to 1.84 so the slopes are easy.
@@ -122,14 +125,14 @@ def test_pool_refuses_fewer_than_two_reports(tmp_path: Path, capsys):
     assert capsys.readouterr().err.strip() == "run.py pool: pool needs two or more report files"
 
 
-def _round_state(state: Path, *, finished: bool = True) -> None:
+def _round_state(state: Path, *, finished: bool = True, overrides: Sequence[str] = ()) -> None:
     """A tuning round's sweep folder as `rlhf sweep` leaves it: two settings on seed 0, one run failed."""
     folder = state / "sweeps" / "S1"
     folder.mkdir(parents=True)
     (folder / "sweep.json").write_text(json.dumps({
         "sweep_id": "S1", "preset": "demo", "config_file": None, "seeds": [0], "select": "heldout",
-        "concurrency": 2, "kl_budget": 3.174478, "grid": {"ppo": ['{"rollout_batch_size":64}', '{"a":1}']},
-        "overrides": ["eval.n_prompts=256"]}))
+        "concurrency": 2, "kl_budget": KL_BUDGET, "grid": {"ppo": ['{"rollout_batch_size":64}', '{"a":1}']},
+        "overrides": ["eval.n_prompts=256", *overrides]}))
     runs = [{"run_id": "r3", "seed": 0, "setting": {"ppo": '{"rollout_batch_size":64}'}, "status": "completed"},
             {"run_id": "r4", "seed": 0, "setting": {"ppo": '{"a":1}'}, "status": "crashed"}]
     if finished:
@@ -150,11 +153,15 @@ def test_record_writes_one_tuning_round_from_its_sweep(tmp_path: Path, capsys):
     out = tmp_path / "round.json"
     main(["record", "--state-dir", str(tmp_path), "--sweep", "S1", "--round", "5", "--note", "n", "--out", str(out)])
     payload = json.loads(out.read_text())
-    # the command as it was typed, quoted for a shell: the JSON grid values survive a copy and paste
-    assert payload["command"] == ("rlhf sweep --preset demo --seeds 0 --select heldout --kl-budget 3.1745 "
-                                  "--concurrency 2 --grid 'ppo={\"rollout_batch_size\":64},{\"a\":1}' "
-                                  "eval.n_prompts=256")
-    assert (payload["round"], payload["note"], payload["report"]["winner"]) == (5, "n", "ppo=x")
+    # the command as it was typed, quoted for a shell: the JSON grid values survive a copy and paste, and the KL
+    # budget (best-of-64's, 3.17451...) is written whole
+    assert payload["command"] == ("rlhf sweep --preset demo --seeds 0 --select heldout "
+                                  "--kl-budget 3.1745080833596715 --concurrency 2 "
+                                  "--grid 'ppo={\"rollout_batch_size\":64},{\"a\":1}' eval.n_prompts=256")
+    words = shlex.split(payload["command"])
+    assert float(words[words.index("--kl-budget") + 1]) == KL_BUDGET
+    assert (payload["method"], payload["round"], payload["note"], payload["report"]["winner"]) == ("ppo", 5, "n",
+                                                                                                   "ppo=x")
     ok, failed = payload["runs"]
     assert [it["kl/mean"] for it in ok["iterations"]] == [2.0, 2.5]
     assert ok["iterations"][0] == {"heldout/mean": 0.5, "kl/mean": 2.0, "proxy/mean": 1.0, "gold/mean": 1.5,
@@ -162,6 +169,24 @@ def test_record_writes_one_tuning_round_from_its_sweep(tmp_path: Path, capsys):
     assert (ok["status"], ok["heldout_status"], ok["best_of_16"]["gold"]) == ("ok", "warn", 2.0)
     assert failed == {"setting": {"ppo": '{"a":1}'}, "seed": 0, "run_id": "r4", "failed": "crashed"}
     assert out.with_suffix(".png").read_bytes() == b"png"
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("overrides, method", [
+    (["ppo.advantage=rloo", "ppo.samples_per_prompt=4"], "rloo"),
+    (["ppo.advantage=reinforce_pp"], "reinforce_pp"),
+    (["method=dpo"], "dpo"),
+])
+def test_record_names_the_method_a_round_tuned_and_its_file(tmp_path: Path, monkeypatch, capsys, overrides, method):
+    from benchmarks.methods import run
+
+    _round_state(tmp_path / "state", overrides=overrides)
+    # without --out the file lands in benchmarks/results: here a temporary one
+    monkeypatch.setattr(run, "default_out", lambda name, smoke: tmp_path / f"{name}.json")
+    run.main(["record", "--state-dir", str(tmp_path / "state"), "--sweep", "S1", "--round", "1"])
+    payload = json.loads((tmp_path / f"methods_{method}_round1_tuning.json").read_text())
+    assert payload["method"] == method and payload["command"].endswith(" ".join(overrides))
+    assert (tmp_path / f"methods_{method}_round1_tuning.png").read_bytes() == b"png"
     capsys.readouterr()
 
 
