@@ -80,7 +80,9 @@ def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], over
 
 
 def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
-    """Each method's rounds; returns {method: {"settings": [...], "rounds": [reports]}}."""
+    """Each method's rounds; returns {method: {"settings": [...], "rounds": [reports]}}. A round that names no winner
+    (each setting flagged by its held-out verdict or over the KL budget) ends its method's tuning there: its entry
+    says so under ``stopped``, with ``settings`` None, and the next method is tuned."""
     chosen: dict[str, Any] = {}
     for method in args.methods:
         spec, rounds = TUNING[method], []
@@ -90,11 +92,17 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
             report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
                            logs / f"tune-{method}-round{r}.log", args.select, args.kl_budget, args.concurrency)
             rounds.append(report)
+            line = {"method": method, "round": r, "winner": report["winner"]}
             if report["winner"] is None:
-                raise RuntimeError(f"{method} round {r}: no eligible setting (every run flagged by the held-out RM)")
+                budget = f" or over the KL budget ({args.kl_budget:g} nats)" if args.kl_budget else ""
+                line["stopped"] = f"no eligible setting: each was flagged by its held-out verdict{budget}"
+                print(json.dumps(line), file=sys.stderr, flush=True)
+                chosen[method] = {"settings": None, "rounds": rounds, "stopped": f"round {r}: {line['stopped']}"}
+                break
             settings.update(item.split("=", 1) for item in report["winner"].split(" "))
-            print(json.dumps({"method": method, "round": r, "winner": report["winner"]}), file=sys.stderr, flush=True)
-        chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
+            print(json.dumps(line), file=sys.stderr, flush=True)
+        else:
+            chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
     return chosen
 
 

@@ -3,6 +3,7 @@ own KL, and the paired differences over seeds, checked against numbers worked by
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shlex
@@ -205,3 +206,35 @@ def test_record_refuses_a_sweep_without_a_report_in_one_line(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "round.json").exists()
+
+
+def test_tune_carries_winners_into_later_rounds_and_stops_a_method_whose_round_names_none(tmp_path: Path,
+                                                                                          monkeypatch, capsys):
+    from benchmarks.methods import run
+
+    monkeypatch.setattr(run, "TUNING", {
+        "ppo": {"fixed": [], "rounds": [{"ppo.kl.coef": ["0.1", "0.2"]}, {"ppo.iterations": ["3", "4"]}]},
+        "rloo": {"fixed": ["ppo.advantage=rloo"], "rounds": [{"ppo.learning_rate": ["5e-5", "1e-4"]},
+                                                              {"ppo.iterations": ["3", "4"]}]},
+    })
+    winners = iter(["ppo.kl.coef=0.1", "ppo.iterations=4", None])
+    calls = []
+
+    def fake_sweep(preset, state, seeds, grid, overrides, log, select, kl_budget, concurrency):
+        calls.append((grid, overrides, log.name))
+        return {"winner": next(winners)}
+
+    monkeypatch.setattr(run, "sweep", fake_sweep)
+    args = argparse.Namespace(methods=["ppo", "rloo"], preset="demo", seeds="0,1,2", eval=["eval.n_prompts=256"],
+                              select="heldout", kl_budget=KL_BUDGET, concurrency=3)
+    chosen = run.tune(args, tmp_path, tmp_path)
+    # round 2 runs on round 1's winner; the round's own key is never also an override
+    assert calls[1] == ({"ppo.iterations": ["3", "4"]}, ["ppo.kl.coef=0.1", "eval.n_prompts=256"],
+                        "tune-ppo-round2.log")
+    assert chosen["ppo"]["settings"] == ["ppo.kl.coef=0.1", "ppo.iterations=4"]
+    # rloo's first round names no winner: its second never runs, and the entry says why
+    assert len(calls) == 3 and calls[2][1] == ["ppo.advantage=rloo", "eval.n_prompts=256"]
+    assert chosen["rloo"]["settings"] is None and len(chosen["rloo"]["rounds"]) == 1
+    assert chosen["rloo"]["stopped"] == ("round 1: no eligible setting: each was flagged by its held-out verdict or "
+                                         "over the KL budget (3.17451 nats)")
+    assert json.loads(capsys.readouterr().err.splitlines()[-1])["stopped"].startswith("no eligible setting")
