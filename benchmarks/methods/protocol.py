@@ -70,7 +70,12 @@ TUNING: dict[str, dict[str, Any]] = {
         {"ppo.learning_rate": ["5e-5", "1e-4"]},
     ]},
     "rloo": {"fixed": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4"], "rounds": [
+        # round 1 named no winner: both rates ended over the KL budget (mean KL 3.42 at 5e-5, 3.93 at 1e-4)
         {"ppo.learning_rate": ["5e-5", "1e-4"]},
+        # round 2, rule E, declared after round 1 (as PPO's round 8 was after round 7): the iterations with the rate.
+        # It computes nothing new (a 3-iteration policy is iteration 3 of round 1's runs; a constant rate keeps its
+        # keys), and its held-out and KL numbers were seen in round 1's runs before it was declared; gold was not.
+        {"ppo.learning_rate": ["5e-5", "1e-4"], "ppo.iterations": ["3", "4"]},
     ]},
     "reinforce_pp": {"fixed": ["ppo.advantage=reinforce_pp"], "rounds": [
         {"ppo.learning_rate": ["5e-5", "1e-4"]},
