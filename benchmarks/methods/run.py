@@ -81,8 +81,9 @@ def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], over
 
 def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
     """Each method's rounds; returns {method: {"settings": [...], "rounds": [reports]}}. A round that names no winner
-    (each setting flagged by its held-out verdict or over the KL budget) ends its method's tuning there: its entry
-    says so under ``stopped``, with ``settings`` None, and the next method is tuned."""
+    (each setting flagged by its held-out verdict or over the KL budget) adds nothing: the next round runs on the
+    settings before it (RLOO's round 2 re-tunes round 1's key beside another). When the last round names none the
+    method has no settings: ``settings`` is None and ``stopped`` says why."""
     chosen: dict[str, Any] = {}
     for method in args.methods:
         spec, rounds = TUNING[method], []
@@ -95,14 +96,13 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
             line = {"method": method, "round": r, "winner": report["winner"]}
             if report["winner"] is None:
                 budget = f" or over the KL budget ({args.kl_budget:g} nats)" if args.kl_budget else ""
-                line["stopped"] = f"no eligible setting: each was flagged by its held-out verdict{budget}"
-                print(json.dumps(line), file=sys.stderr, flush=True)
-                chosen[method] = {"settings": None, "rounds": rounds, "stopped": f"round {r}: {line['stopped']}"}
-                break
-            settings.update(item.split("=", 1) for item in report["winner"].split(" "))
+                line["none"] = f"no eligible setting: each was flagged by its held-out verdict{budget}"
+            else:
+                settings.update(item.split("=", 1) for item in report["winner"].split(" "))
             print(json.dumps(line), file=sys.stderr, flush=True)
-        else:
-            chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
+        chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
+        if rounds and rounds[-1]["winner"] is None:
+            chosen[method] = {"settings": None, "rounds": rounds, "stopped": f"round {len(rounds)}: {line['none']}"}
     return chosen
 
 

@@ -208,16 +208,18 @@ def test_record_refuses_a_sweep_without_a_report_in_one_line(tmp_path: Path, cap
     assert not (tmp_path / "round.json").exists()
 
 
-def test_tune_carries_winners_into_later_rounds_and_stops_a_method_whose_round_names_none(tmp_path: Path,
-                                                                                          monkeypatch, capsys):
+def test_tune_carries_winners_into_later_rounds_and_a_round_without_one_adds_nothing(tmp_path: Path, monkeypatch,
+                                                                                      capsys):
     from benchmarks.methods import run
 
     monkeypatch.setattr(run, "TUNING", {
         "ppo": {"fixed": [], "rounds": [{"ppo.kl.coef": ["0.1", "0.2"]}, {"ppo.iterations": ["3", "4"]}]},
-        "rloo": {"fixed": ["ppo.advantage=rloo"], "rounds": [{"ppo.learning_rate": ["5e-5", "1e-4"]},
-                                                              {"ppo.iterations": ["3", "4"]}]},
+        "rloo": {"fixed": ["ppo.advantage=rloo"], "rounds": [
+            {"ppo.learning_rate": ["5e-5", "1e-4"]},
+            {"ppo.learning_rate": ["5e-5", "1e-4"], "ppo.iterations": ["3", "4"]}]},
+        "grpo": {"fixed": ["ppo.advantage=grpo"], "rounds": [{"ppo.learning_rate": ["5e-5", "1e-4"]}]},
     })
-    winners = iter(["ppo.kl.coef=0.1", "ppo.iterations=4", None])
+    winners = iter(["ppo.kl.coef=0.1", "ppo.iterations=4", None, "ppo.learning_rate=5e-5 ppo.iterations=3", None])
     calls = []
 
     def fake_sweep(preset, state, seeds, grid, overrides, log, select, kl_budget, concurrency):
@@ -225,16 +227,21 @@ def test_tune_carries_winners_into_later_rounds_and_stops_a_method_whose_round_n
         return {"winner": next(winners)}
 
     monkeypatch.setattr(run, "sweep", fake_sweep)
-    args = argparse.Namespace(methods=["ppo", "rloo"], preset="demo", seeds="0,1,2", eval=["eval.n_prompts=256"],
-                              select="heldout", kl_budget=KL_BUDGET, concurrency=3)
+    args = argparse.Namespace(methods=["ppo", "rloo", "grpo"], preset="demo", seeds="0,1,2",
+                              eval=["eval.n_prompts=256"], select="heldout", kl_budget=KL_BUDGET, concurrency=3)
     chosen = run.tune(args, tmp_path, tmp_path)
     # round 2 runs on round 1's winner; the round's own key is never also an override
     assert calls[1] == ({"ppo.iterations": ["3", "4"]}, ["ppo.kl.coef=0.1", "eval.n_prompts=256"],
                         "tune-ppo-round2.log")
     assert chosen["ppo"]["settings"] == ["ppo.kl.coef=0.1", "ppo.iterations=4"]
-    # rloo's first round names no winner: its second never runs, and the entry says why
-    assert len(calls) == 3 and calls[2][1] == ["ppo.advantage=rloo", "eval.n_prompts=256"]
-    assert chosen["rloo"]["settings"] is None and len(chosen["rloo"]["rounds"]) == 1
-    assert chosen["rloo"]["stopped"] == ("round 1: no eligible setting: each was flagged by its held-out verdict or "
+    # rloo's round 1 names no winner: round 2 runs on the fixed settings alone and its winner is the choice
+    assert calls[3][1:] == (["ppo.advantage=rloo", "eval.n_prompts=256"], "tune-rloo-round2.log")
+    assert chosen["rloo"]["settings"] == ["ppo.advantage=rloo", "ppo.learning_rate=5e-5", "ppo.iterations=3"]
+    assert len(chosen["rloo"]["rounds"]) == 2 and "stopped" not in chosen["rloo"]
+    # grpo's last round names none: no settings, and the entry says why
+    assert chosen["grpo"]["settings"] is None and len(calls) == 5
+    assert chosen["grpo"]["stopped"] == ("round 1: no eligible setting: each was flagged by its held-out verdict or "
                                          "over the KL budget (3.17451 nats)")
-    assert json.loads(capsys.readouterr().err.splitlines()[-1])["stopped"].startswith("no eligible setting")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [line["winner"] is None for line in lines] == [False, False, True, False, True]
+    assert lines[2]["none"].startswith("no eligible setting")
