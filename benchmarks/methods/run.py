@@ -30,9 +30,8 @@ The protocol:
    settings, presets or evaluation sizes, or share a seed.
 4. **Record** (``record``): one tuning round, run as an `rlhf sweep` by hand (as rounds 6 on were), written as
    ``benchmarks/results/methods_round<N>_tuning.json`` (PPO's) or ``methods_<method>_round<N>_tuning.json`` from its
-   state folder: the sweep's command, its report and
-   every run's judges at every iteration (gold among them, for the record: the sweep chose without it), beside the
-   sweep's frontier plot. Nothing is rerun.
+   state folder: the method, the sweep's command, its report and every run's judges at every iteration (gold among
+   them, for the record: the sweep chose without it), beside the sweep's frontier plot. Nothing is rerun.
 
 All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
 JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
