@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.methods.run report                  # gold on seeds never looked at (~2 h)
     .venv/bin/python -m benchmarks.methods.run report --seeds 0 --preset tiny   # a smoke run of every method
     .venv/bin/python -m benchmarks.methods.run pool A.json B.json --out C.json  # one table over two reports' seeds
+    .venv/bin/python -m benchmarks.methods.run join A.json B.json --out C.json  # one table over two reports' methods
     .venv/bin/python -m benchmarks.methods.run record --state-dir S --sweep ID --round 8 --note "..."  # one round
 
 The protocol:
@@ -28,6 +29,10 @@ The protocol:
 3. **Pool** (``pool``): the table recomputed over the runs of several saved reports of the same settings on
    different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran different
    settings, presets or evaluation sizes, or share a seed.
+   **Join** (``join``): the reports of different methods on the same seeds (run one method at a time into one state
+   folder, ``report --methods X``) as one table, paired per seed. Refused when they ran other seeds, presets or
+   evaluation sizes, share a method, or disagree on a seed's best-of-16 (then they did not share the SFT policy,
+   reward models and prompts, and the rows would not pair).
 4. **Record** (``record``): one tuning round, run as an `rlhf sweep` by hand (as rounds 6 on were), written as
    ``benchmarks/results/methods_round<N>_tuning.json`` (PPO's) or ``methods_<method>_round<N>_tuning.json`` from its
    state folder: the method, the sweep's command, its report and every run's judges at every iteration (gold among
@@ -124,20 +129,11 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
     of them. Raises ``ValueError`` (one line naming the file) when a report is not a report, ran other settings, a
     preset or evaluation size of its own (by the names of the overrides, and by each run's resolved settings where its
     row records them: a preset may change between reports), or repeats a method's seed."""
-    if len(paths) < 2:
-        raise ValueError("pool needs two or more report files")
-    reports = []
-    for path in paths:
-        try:
-            reports.append((path, json.loads(Path(path).read_text())))
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path}: not a readable report ({error})") from None
+    reports = _read_reports(paths, "pool")
     first_path, first = reports[0]
     rows: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
     for path, payload in reports:
-        if payload.get("phase") != "report" or "runs" not in payload:
-            raise ValueError(f"{path}: not a methods report (phase {payload.get('phase')!r})")
         for key in ("preset", "eval", "methods"):
             if payload.get(key) != first.get(key):
                 raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
@@ -158,6 +154,54 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
             "seeds": ",".join(str(s) for s in sorted({r["seed"] for r in rows})),
             "pooled_from": [{"file": str(path), "seeds": payload["seeds"]} for path, payload in reports],
             "runs": rows, "table": aggregate(rows)}
+
+
+def join(paths: Sequence[Path]) -> dict[str, Any]:
+    """The runs of several saved reports of different methods on the same seeds (one method reported at a time into
+    one state folder), and one table over all of them, paired per seed. Raises ``ValueError`` (one line naming the
+    file) when a report is not a report, ran another preset, evaluation size or seed set, repeats a method, or has
+    another best-of-16 at a seed (not the same SFT policy, reward models and prompts: the rows would not pair)."""
+    reports = _read_reports(paths, "join")
+    first_path, first = reports[0]
+    rows: list[dict[str, Any]] = []
+    methods: dict[str, Any] = {}
+    owner: dict[str, Path] = {}
+    best: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for path, payload in reports:
+        for key in ("preset", "eval", "seeds"):
+            if payload.get(key) != first.get(key):
+                raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
+                                 f"{first.get(key)!r}; only reports of the same seeds and evaluation join")
+        for method, overrides in payload["methods"].items():
+            if method in owner:
+                raise ValueError(f"{path}: {method} is also in {owner[method]}; join takes each method once")
+            owner[method], methods[method] = path, overrides
+        for row in payload["runs"]:
+            if "failed" not in row:
+                seen_path, seen_best = best.setdefault(row["seed"], (path, row["best_of_16"]))
+                if row["best_of_16"] != seen_best:
+                    raise ValueError(f"{path}: seed {row['seed']}'s best-of-16 differs from {seen_path}'s; its runs "
+                                     f"did not share a state folder's SFT policy, reward models and prompts")
+            rows.append(row)
+    return {"preset": first["preset"], "methods": methods, "eval": first["eval"], "seeds": first["seeds"],
+            "joined_from": [{"file": str(path), "methods": list(payload["methods"])} for path, payload in reports],
+            "runs": rows, "table": aggregate(rows)}
+
+
+def _read_reports(paths: Sequence[Path], phase: str) -> list[tuple[Path, dict[str, Any]]]:
+    """Two or more saved methods reports (``report``'s files), read; ``ValueError`` (one line) otherwise."""
+    if len(paths) < 2:
+        raise ValueError(f"{phase} needs two or more report files")
+    reports = []
+    for path in paths:
+        try:
+            payload = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path}: not a readable report ({error})") from None
+        if payload.get("phase") != "report" or "runs" not in payload:
+            raise ValueError(f"{path}: not a methods report (phase {payload.get('phase')!r})")
+        reports.append((path, payload))
+    return reports
 
 
 #: A run's per-iteration evaluation in a round's record (the summary's ``eval/<name>``).
@@ -323,8 +367,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["tune", "report", "pool", "record"])
-    parser.add_argument("reports", nargs="*", type=Path, help="pool: the saved report files to pool")
+    parser.add_argument("phase", choices=["tune", "report", "pool", "join", "record"])
+    parser.add_argument("reports", nargs="*", type=Path, help="pool, join: the saved report files")
     parser.add_argument("--seeds", default=None,
                         help=f"comma-separated (default: 0,1,2 to tune, {REPORT_SEEDS} to report)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -360,17 +404,19 @@ def main(argv: list[str] | None = None) -> None:
         if plot_file.is_file():
             shutil.copyfile(plot_file, out.with_suffix(".png"))
         return
-    if args.phase == "pool":
+    if args.phase in ("pool", "join"):
         try:
-            payload = {"machine": machine(), "phase": "pool", **pool(args.reports)}
+            combined = pool(args.reports) if args.phase == "pool" else join(args.reports)
         except ValueError as error:
-            parser.exit(2, f"run.py pool: {error}\n")
-        out = args.out or default_out("methods_pooled", smoke=payload["preset"] != "demo")
+            parser.exit(2, f"run.py {args.phase}: {error}\n")
+        payload = {"machine": machine(), "phase": args.phase, **combined}
+        name = "methods_pooled" if args.phase == "pool" else "methods_joined"
+        out = args.out or default_out(name, smoke=payload["preset"] != "demo")
         plot(payload["runs"], out.with_suffix(".png"))
         write_result(payload, out)
         return
     if args.reports:
-        parser.error(f"report files are read by pool only, not by {args.phase}")
+        parser.error(f"report files are read by pool and join only, not by {args.phase}")
     args.seeds = args.seeds or ("0,1,2" if args.phase == "tune" else REPORT_SEEDS)
     smoke = args.preset != "demo"
     prompts = args.eval_prompts or (TUNE_EVAL_PROMPTS if args.phase == "tune" else REPORT_EVAL_PROMPTS)

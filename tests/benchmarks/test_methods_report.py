@@ -126,6 +126,51 @@ def test_pool_refuses_fewer_than_two_reports(tmp_path: Path, capsys):
     assert capsys.readouterr().err.strip() == "run.py pool: pool needs two or more report files"
 
 
+def _one_seed_reports(tmp_path: Path, dpo_best_gold: float = 2.0, **dpo_over: object) -> tuple[Path, Path]:
+    """PPO's and DPO's reports of seed 0, as two `report --methods X` runs into one state folder write them."""
+    ppo0 = {"method": "ppo", **_run_row(tmp_path, _summary(tmp_path, "ppo0", gold=2.3, heldout=0.65, kl=2.48))}
+    dpo0 = {"method": "dpo", **_run_row(tmp_path, _summary(tmp_path, "dpo0", gold=1.9, heldout=0.5, kl=1.2))}
+    dpo0["best_of_16"] = {**dpo0["best_of_16"], "gold": dpo_best_gold}
+    a = _report(tmp_path / "a.json", [ppo0], seeds="0")
+    b = _report(tmp_path / "b.json", [dpo0], **{"seeds": "0", "methods": {"dpo": ["method=dpo"]}, **dpo_over})
+    return a, b
+
+
+def test_join_pairs_the_methods_of_two_reports_on_the_same_seeds(tmp_path: Path, capsys):
+    from benchmarks.methods.run import main
+
+    a, b = _one_seed_reports(tmp_path)
+    out = tmp_path / "joined.json"
+    main(["join", str(a), str(b), "--out", str(out)])
+    joined = json.loads(out.read_text())
+    assert (joined["phase"], joined["seeds"], list(joined["methods"])) == ("join", "0", ["ppo", "dpo"])
+    assert [j["methods"] for j in joined["joined_from"]] == [["ppo"], ["dpo"]]
+    # PPO's gold 2.3 against DPO's 1.9 at the same seed, and both against the seed's best-of-16 (2.0)
+    assert joined["table"]["ppo"]["gold_minus_dpo"]["mean"] == pytest.approx(0.4)
+    assert joined["table"]["ppo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(0.3)
+    assert joined["table"]["dpo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(-0.1)
+    assert out.with_suffix(".png").is_file()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("dpo_best_gold, over, message", [
+    (2.0, {"methods": {"ppo": []}}, "ppo is also in"),
+    (2.0, {"seeds": "1"}, "its seeds '1' differs"),
+    (2.0, {"eval": ["eval.n_prompts=256"]}, "its eval"),
+    (2.1, {}, "seed 0's best-of-16 differs from"),
+])
+def test_join_refuses_reports_that_do_not_pair_in_one_line(tmp_path: Path, capsys, dpo_best_gold, over, message):
+    from benchmarks.methods.run import main
+
+    a, b = _one_seed_reports(tmp_path, dpo_best_gold, **over)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["join", str(a), str(b), "--out", str(tmp_path / "joined.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py join: ") and message in err and str(b) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "joined.json").exists()
+
+
 def _round_state(state: Path, *, finished: bool = True, overrides: Sequence[str] = ()) -> None:
     """A tuning round's sweep folder as `rlhf sweep` leaves it: two settings on seed 0, one run failed."""
     folder = state / "sweeps" / "S1"
