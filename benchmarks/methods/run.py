@@ -88,6 +88,8 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
     (each setting flagged by its held-out verdict or over the KL budget) adds nothing: the next round runs on the
     settings before it (RLOO's round 2 re-tunes round 1's key beside another). When the last round names none the
     method has no settings: ``settings`` is None and ``stopped`` says why."""
+    budget = f" or over the KL budget ({args.kl_budget:g} nats)" if args.kl_budget else ""
+    none = f"no eligible setting: each was flagged by its held-out verdict{budget}"
     chosen: dict[str, Any] = {}
     for method in args.methods:
         spec, rounds = TUNING[method], []
@@ -97,16 +99,14 @@ def tune(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
             report = sweep(args.preset, state, args.seeds, grid, [*shared, *args.eval],
                            logs / f"tune-{method}-round{r}.log", args.select, args.kl_budget, args.concurrency)
             rounds.append(report)
-            line = {"method": method, "round": r, "winner": report["winner"]}
-            if report["winner"] is None:
-                budget = f" or over the KL budget ({args.kl_budget:g} nats)" if args.kl_budget else ""
-                line["none"] = f"no eligible setting: each was flagged by its held-out verdict{budget}"
-            else:
+            if report["winner"] is not None:
                 settings.update(item.split("=", 1) for item in report["winner"].split(" "))
-            print(json.dumps(line), file=sys.stderr, flush=True)
-        chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
+            print(json.dumps({"method": method, "round": r, "winner": report["winner"],
+                              **({} if report["winner"] else {"none": none})}), file=sys.stderr, flush=True)
         if rounds and rounds[-1]["winner"] is None:
-            chosen[method] = {"settings": None, "rounds": rounds, "stopped": f"round {len(rounds)}: {line['none']}"}
+            chosen[method] = {"settings": None, "rounds": rounds, "stopped": f"round {len(rounds)}: {none}"}
+        else:
+            chosen[method] = {"settings": [f"{k}={v}" for k, v in settings.items()], "rounds": rounds}
     return chosen
 
 
@@ -129,15 +129,11 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
     of them. Raises ``ValueError`` (one line naming the file) when a report is not a report, ran other settings, a
     preset or evaluation size of its own (by the names of the overrides, and by each run's resolved settings where its
     row records them: a preset may change between reports), or repeats a method's seed."""
-    reports = _read_reports(paths, "pool")
-    first_path, first = reports[0]
+    reports = _read_reports(paths, "pool", ("preset", "eval", "methods"), "the same settings")
+    first = reports[0][1]
     rows: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
     for path, payload in reports:
-        for key in ("preset", "eval", "methods"):
-            if payload.get(key) != first.get(key):
-                raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
-                                 f"{first.get(key)!r}; only reports of the same settings pool")
         for row in payload["runs"]:
             if (row["method"], row["seed"]) in seen:
                 raise ValueError(f"{path}: {row['method']} seed {row['seed']} is also in "
@@ -161,17 +157,13 @@ def join(paths: Sequence[Path]) -> dict[str, Any]:
     one state folder), and one table over all of them, paired per seed. Raises ``ValueError`` (one line naming the
     file) when a report is not a report, ran another preset, evaluation size or seed set, repeats a method, or has
     another best-of-16 at a seed (not the same SFT policy, reward models and prompts: the rows would not pair)."""
-    reports = _read_reports(paths, "join")
-    first_path, first = reports[0]
+    reports = _read_reports(paths, "join", ("preset", "eval", "seeds"), "the same seeds and evaluation")
+    first = reports[0][1]
     rows: list[dict[str, Any]] = []
     methods: dict[str, Any] = {}
     owner: dict[str, Path] = {}
     best: dict[int, tuple[Path, dict[str, Any]]] = {}
     for path, payload in reports:
-        for key in ("preset", "eval", "seeds"):
-            if payload.get(key) != first.get(key):
-                raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
-                                 f"{first.get(key)!r}; only reports of the same seeds and evaluation join")
         for method, overrides in payload["methods"].items():
             if method in owner:
                 raise ValueError(f"{path}: {method} is also in {owner[method]}; join takes each method once")
@@ -188,11 +180,13 @@ def join(paths: Sequence[Path]) -> dict[str, Any]:
             "runs": rows, "table": aggregate(rows)}
 
 
-def _read_reports(paths: Sequence[Path], phase: str) -> list[tuple[Path, dict[str, Any]]]:
-    """Two or more saved methods reports (``report``'s files), read; ``ValueError`` (one line) otherwise."""
+def _read_reports(paths: Sequence[Path], phase: str, same: tuple[str, ...],
+                  what: str) -> list[tuple[Path, dict[str, Any]]]:
+    """Two or more saved methods reports (``report``'s files) that agree on the ``same`` keys, read; ``ValueError``
+    (one line naming the file) otherwise."""
     if len(paths) < 2:
         raise ValueError(f"{phase} needs two or more report files")
-    reports = []
+    reports: list[tuple[Path, dict[str, Any]]] = []
     for path in paths:
         try:
             payload = json.loads(Path(path).read_text())
@@ -200,6 +194,11 @@ def _read_reports(paths: Sequence[Path], phase: str) -> list[tuple[Path, dict[st
             raise ValueError(f"{path}: not a readable report ({error})") from None
         if payload.get("phase") != "report" or "runs" not in payload:
             raise ValueError(f"{path}: not a methods report (phase {payload.get('phase')!r})")
+        first_path, first = reports[0] if reports else (path, payload)
+        for key in same:
+            if payload.get(key) != first.get(key):
+                raise ValueError(f"{path}: its {key} {payload.get(key)!r} differs from {first_path}'s "
+                                 f"{first.get(key)!r}; only reports of {what} {phase}")
         reports.append((path, payload))
     return reports
 
