@@ -46,7 +46,7 @@ from typing import Any
 
 from benchmarks.common import default_out, write_result
 from benchmarks.methods.protocol import KL_BUDGET
-from benchmarks.methods.run import frontier, mean_se
+from benchmarks.methods.tables import frontier, mean_se
 from flows.sweep_plan import setting_label
 from flows.sweep_report import over_kl_budget
 from rlhf_core.evaluation.metrics import spearman

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.methods.protocol import KL_BUDGET
-from benchmarks.methods.run import _run_row, aggregate
+from benchmarks.methods.run import _run_row
+from benchmarks.methods.tables import aggregate
 
 #: One seed's best-of-N points (n, KL, gold, held-out): best-of-16's KL rounded to 1.84 so the slopes are easy.
 BEST_OF_N = [(1, 0.0, 0.3, 0.1), (8, 1.2, 1.8, 0.5), (16, 1.84, 2.0, 0.6)]
