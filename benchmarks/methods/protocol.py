@@ -17,6 +17,25 @@ METHODS: dict[str, list[str]] = {
     "reinforce_pp": ["ppo.advantage=reinforce_pp", "ppo.learning_rate=1e-4"],
     "dpo": ["method=dpo"],
 }
+
+def method_setting(method: str) -> tuple[str, str]:
+    """The one setting that tells a method's runs apart from the other methods' (``method=dpo`` for DPO, the
+    advantage estimator for the rest, ``gae`` for PPO): the report's grid key, and what names a sweep's method."""
+    if method == "dpo":
+        return "method", "dpo"
+    return "ppo.advantage", next((o.split("=", 1)[1] for o in METHODS[method] if o.startswith("ppo.advantage=")),
+                                 "gae")
+
+
+def method_of(settings: list[str]) -> str:
+    """The method (a name of ``METHODS``) that ``KEY=VALUE`` settings train: the inverse of ``method_setting``, with
+    the configuration's defaults (``method=ppo``, ``ppo.advantage=gae``) where a key is not set."""
+    given = {"method": "ppo", "ppo.advantage": "gae", **dict(s.split("=", 1) for s in settings)}
+    if given["method"] == "dpo":
+        return "dpo"
+    return next(m for m in METHODS if m != "dpo" and method_setting(m) == ("ppo.advantage", given["ppo.advantage"]))
+
+
 #: Per method: its fixed settings, then the grids tuned round after round (each on top of the earlier winners).
 TUNING: dict[str, dict[str, Any]] = {
     "ppo": {"fixed": [], "rounds": [

@@ -58,7 +58,7 @@ from typing import Any
 
 from benchmarks.common import REPO, default_out, machine, write_result
 from benchmarks.methods.protocol import (BEST_OF, KL_BUDGET, METHODS, REPORT_EVAL_PROMPTS, REPORT_SEEDS,
-                                         TUNE_EVAL_PROMPTS, TUNING)
+                                         TUNE_EVAL_PROMPTS, TUNING, method_of, method_setting)
 from benchmarks.methods.tables import aggregate, frontier, join, plot, pool
 
 
@@ -111,7 +111,7 @@ def report(args: argparse.Namespace, state: Path, logs: Path) -> dict[str, Any]:
     """Each method's chosen settings on the report seeds; every run's final numbers and its seed's best-of-N."""
     rows = []
     for method in args.methods:
-        key, value = ("method", "dpo") if method == "dpo" else ("ppo.advantage", _advantage(METHODS[method]))
+        key, value = method_setting(method)
         overrides = [o for o in METHODS[method] if not o.startswith(f"{key}=")]
         result = sweep(args.preset, state, args.seeds, {key: [value]}, [*overrides, *args.eval],
                        logs / f"report-{method}.log", concurrency=args.concurrency)
@@ -156,11 +156,7 @@ def record(state: Path, sweep_id: str, round_: int, note: str) -> dict[str, Any]
 
 def sweep_method(sweep: dict[str, Any]) -> str:
     """The method a sweep's runs train (a name of ``METHODS``), from its overrides and its grid's single values."""
-    settings = [*sweep["overrides"], *(f"{k}={v[0]}" for k, v in sweep["grid"].items() if len(v) == 1)]
-    if "method=dpo" in settings:
-        return "dpo"
-    advantage = _advantage(settings)
-    return "ppo" if advantage == "gae" else advantage
+    return method_of([*sweep["overrides"], *(f"{k}={v[0]}" for k, v in sweep["grid"].items() if len(v) == 1)])
 
 
 def sweep_command(sweep: dict[str, Any]) -> str:
@@ -187,10 +183,6 @@ def _summary(state: Path, run: dict[str, Any]) -> dict[str, Any] | None:
 
 def _best_of_16(summary: dict[str, Any]) -> dict[str, Any]:
     return next(p for p in summary["best_of_n"] if p["n"] == BEST_OF)
-
-
-def _advantage(overrides: list[str]) -> str:
-    return next((o.split("=", 1)[1] for o in overrides if o.startswith("ppo.advantage=")), "gae")
 
 
 def _run_row(state: Path, run: dict[str, Any]) -> dict[str, Any]:

@@ -237,6 +237,17 @@ def test_record_names_the_method_a_round_tuned_and_its_file(tmp_path: Path, monk
     capsys.readouterr()
 
 
+def test_each_method_is_named_back_from_its_settings_and_from_its_report_setting_alone():
+    from benchmarks.methods.protocol import METHODS, method_of, method_setting
+
+    assert method_setting("ppo") == ("ppo.advantage", "gae") and method_setting("dpo") == ("method", "dpo")
+    for method, settings in METHODS.items():
+        key, value = method_setting(method)
+        assert method_of(settings) == method and method_of([f"{key}={value}"]) == method
+    # a DPO run keeps the default estimator's key; PPO's runs set neither key
+    assert method_of(["method=dpo", "ppo.advantage=gae"]) == "dpo" and method_of(["ppo.kl.coef=0.1"]) == "ppo"
+
+
 @pytest.mark.parametrize("sweep_id, finished, message", [
     ("S2", True, "no sweep S2 in"),
     ("S1", False, "has no report yet; finish it with `rlhf sweep --resume S1"),
