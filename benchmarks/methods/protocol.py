@@ -8,11 +8,11 @@ from typing import Any
 
 from rlhf_core.evaluation.metrics import best_of_n_kl
 
-#: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; RLOO's are its
-#: tuning rounds' choice; GRPO and REINFORCE++ were not tuned yet: they run at the PPO rate of the preset.
+#: Every method's settings on top of the demo preset. PPO's (tuned) and DPO's are the preset's own; RLOO's and GRPO's
+#: are their tuning rounds' choices; REINFORCE++ was not tuned yet: it runs at the PPO rate of the preset.
 METHODS: dict[str, list[str]] = {
     "ppo": [],
-    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.learning_rate=1e-4"],
+    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "ppo.learning_rate=5e-5", "ppo.iterations=2"],
     "rloo": ["ppo.advantage=rloo", "ppo.samples_per_prompt=4", "ppo.learning_rate=5e-5", "ppo.iterations=3"],
     "reinforce_pp": ["ppo.advantage=reinforce_pp", "ppo.learning_rate=1e-4"],
     "dpo": ["method=dpo"],
