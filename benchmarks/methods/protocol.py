@@ -18,6 +18,7 @@ METHODS: dict[str, list[str]] = {
     "dpo": ["method=dpo"],
 }
 
+
 def method_setting(method: str) -> tuple[str, str]:
     """The one setting that tells a method's runs apart from the other methods' (``method=dpo`` for DPO, the
     advantage estimator for the rest, ``gae`` for PPO): the report's grid key, and what names a sweep's method."""
@@ -29,11 +30,15 @@ def method_setting(method: str) -> tuple[str, str]:
 
 def method_of(settings: list[str]) -> str:
     """The method (a name of ``METHODS``) that ``KEY=VALUE`` settings train: the inverse of ``method_setting``, with
-    the configuration's defaults (``method=ppo``, ``ppo.advantage=gae``) where a key is not set."""
+    the configuration's defaults (``method=ppo``, ``ppo.advantage=gae``) where a key is not set. Raises
+    ``ValueError`` (one line) for an estimator no method of ``METHODS`` uses."""
     given = {"method": "ppo", "ppo.advantage": "gae", **dict(s.split("=", 1) for s in settings)}
     if given["method"] == "dpo":
         return "dpo"
-    return next(m for m in METHODS if m != "dpo" and method_setting(m) == ("ppo.advantage", given["ppo.advantage"]))
+    setting = ("ppo.advantage", given["ppo.advantage"])
+    if (method := next((m for m in METHODS if method_setting(m) == setting), None)) is None:
+        raise ValueError(f"no method of the benchmark uses ppo.advantage={setting[1]}")
+    return method
 
 
 #: Per method: its fixed settings, then the grids tuned round after round (each on top of the earlier winners).

@@ -246,6 +246,8 @@ def test_each_method_is_named_back_from_its_settings_and_from_its_report_setting
         assert method_of(settings) == method and method_of([f"{key}={value}"]) == method
     # a DPO run keeps the default estimator's key; PPO's runs set neither key
     assert method_of(["method=dpo", "ppo.advantage=gae"]) == "dpo" and method_of(["ppo.kl.coef=0.1"]) == "ppo"
+    with pytest.raises(ValueError, match="no method of the benchmark uses ppo.advantage=sequence"):
+        method_of(["ppo.advantage=sequence"])
 
 
 @pytest.mark.parametrize("sweep_id, finished, message", [
