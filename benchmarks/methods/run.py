@@ -26,13 +26,14 @@ The protocol:
    judges), with its standard error; and gold's and the held-out judge's difference to the seed's best-of-N curve at
    the run's own KL (Gao et al.'s comparison at matched KL).
 
-3. **Pool** (``pool``): the table recomputed over the runs of several saved reports of the same settings on
-   different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran different
-   settings, presets or evaluation sizes, or share a seed.
-   **Join** (``join``): the reports of different methods on the same seeds (run one method at a time into one state
-   folder, ``report --methods X``) as one table, paired per seed. Refused when they ran other seeds, presets or
-   evaluation sizes, share a method, or disagree on a seed's best-of-16 (then they did not share the SFT policy,
-   reward models and prompts, and the rows would not pair).
+3. **Pool** (``pool``): the table recomputed over the runs of several saved reports (or joined reports) of the same
+   settings on different seeds (each report's rows are kept whole; nothing is rerun). Refused when the reports ran
+   different settings, presets or evaluation sizes, or share a seed.
+   **Join** (``join``): the reports of different methods on the same seeds (``report --methods X``, run at different
+   times into one state folder, or into state folders on machines that compute the seeds' shared stages alike) as
+   one table, paired per seed. Refused when they ran other seeds, presets or evaluation sizes, share a method, or
+   disagree on a seed's best-of-16 (then they did not share the SFT policy, reward models and prompts, and the rows
+   would not pair).
 4. **Record** (``record``): one tuning round, run as an `rlhf sweep` by hand (as rounds 6 on were), written as
    ``benchmarks/results/methods_round<N>_tuning.json`` (PPO's) or ``methods_<method>_round<N>_tuning.json`` from its
    state folder: the method, the sweep's command, its report and every run's judges at every iteration (gold among

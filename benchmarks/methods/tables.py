@@ -76,11 +76,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def pool(paths: Sequence[Path]) -> dict[str, Any]:
-    """The runs of several saved reports of the same settings on disjoint seeds, and their table recomputed over all
-    of them. Raises ``ValueError`` (one line naming the file) when a report is not a report, ran other settings, a
-    preset or evaluation size of its own (by the names of the overrides, and by each run's resolved settings where its
-    row records them: a preset may change between reports), or repeats a method's seed."""
-    reports = _read_reports(paths, "pool", ("preset", "eval", "methods"), "the same settings")
+    """The runs of several saved reports of the same settings on disjoint seeds (``report``'s files, or ``join``'s:
+    a seed's methods reported in parts), and their table recomputed over all of them. Raises ``ValueError`` (one line
+    naming the file) when a report is not a report, ran other settings, a preset or evaluation size of its own (by the
+    names of the overrides, and by each run's resolved settings where its row records them: a preset may change
+    between reports), or repeats a method's seed."""
+    reports = _read_reports(paths, "pool", ("preset", "eval", "methods"), "the same settings", ("report", "join"))
     first = reports[0][1]
     rows: list[dict[str, Any]] = []
     seen: dict[tuple[str, int], Path] = {}
@@ -104,8 +105,9 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
 
 
 def join(paths: Sequence[Path]) -> dict[str, Any]:
-    """The runs of several saved reports of different methods on the same seeds (one method reported at a time into
-    one state folder), and one table over all of them, paired per seed. Raises ``ValueError`` (one line naming the
+    """The runs of several saved reports of different methods on the same seeds (methods reported at different times,
+    into one state folder or into state folders whose seeds' shared stages came out the same), and one table over all
+    of them, paired per seed. Raises ``ValueError`` (one line naming the
     file) when a report is not a report, ran another preset, evaluation size or seed set, repeats a method, or has
     another best-of-16 at a seed (not the same SFT policy, reward models and prompts: the rows would not pair)."""
     reports = _read_reports(paths, "join", ("preset", "eval", "seeds"), "the same seeds and evaluation")
@@ -131,10 +133,10 @@ def join(paths: Sequence[Path]) -> dict[str, Any]:
             "runs": rows, "table": aggregate(rows)}
 
 
-def _read_reports(paths: Sequence[Path], phase: str, same: tuple[str, ...],
-                  what: str) -> list[tuple[Path, dict[str, Any]]]:
-    """Two or more saved methods reports (``report``'s files) that agree on the ``same`` keys, read; ``ValueError``
-    (one line naming the file) otherwise."""
+def _read_reports(paths: Sequence[Path], phase: str, same: tuple[str, ...], what: str,
+                  phases: tuple[str, ...] = ("report",)) -> list[tuple[Path, dict[str, Any]]]:
+    """Two or more saved methods reports (the files of the ``phases``) that agree on the ``same`` keys, read;
+    ``ValueError`` (one line naming the file) otherwise."""
     if len(paths) < 2:
         raise ValueError(f"{phase} needs two or more report files")
     reports: list[tuple[Path, dict[str, Any]]] = []
@@ -143,7 +145,7 @@ def _read_reports(paths: Sequence[Path], phase: str, same: tuple[str, ...],
             payload = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"{path}: not a readable report ({error})") from None
-        if payload.get("phase") != "report" or "runs" not in payload:
+        if payload.get("phase") not in phases or "runs" not in payload:
             raise ValueError(f"{path}: not a methods report (phase {payload.get('phase')!r})")
         first_path, first = reports[0] if reports else (path, payload)
         for key in same:

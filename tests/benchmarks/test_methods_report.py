@@ -154,6 +154,36 @@ def test_join_pairs_the_methods_of_two_reports_on_the_same_seeds(tmp_path: Path,
     capsys.readouterr()
 
 
+def test_pool_takes_joined_reports_of_disjoint_seeds(tmp_path: Path, capsys):
+    """A seed's methods reported in two parts and joined, for two seeds: the pooled table pairs each seed's PPO and
+    DPO as one report of both seeds would."""
+    from benchmarks.methods.run import main
+
+    joined = []
+    for seed, (ppo_gold, dpo_gold) in enumerate([(2.3, 1.9), (1.7, 1.6)]):
+        folder = tmp_path / f"seed{seed}"
+        folder.mkdir()
+        ppo = {"method": "ppo", **_run_row(folder, _summary(folder, f"ppo{seed}", gold=ppo_gold, heldout=0.6, kl=2.0))}
+        dpo = {"method": "dpo", **_run_row(folder, _summary(folder, f"dpo{seed}", gold=dpo_gold, heldout=0.5, kl=1.2))}
+        a = _report(folder / "ppo.json", [ppo], seeds=str(seed))
+        b = _report(folder / "dpo.json", [dpo], seeds=str(seed), methods={"dpo": ["method=dpo"]})
+        main(["join", str(a), str(b), "--out", str(folder / "joined.json")])
+        joined.append(str(folder / "joined.json"))
+    out = tmp_path / "pooled.json"
+    main(["pool", *joined, "--out", str(out)])
+    pooled = json.loads(out.read_text())
+    assert (pooled["seeds"], sorted(pooled["methods"])) == ("0,1", ["dpo", "ppo"])
+    # PPO - DPO per seed: +0.4 and +0.1, mean 0.25, sd 0.3 / sqrt(2), se 0.15; PPO - best-of-16 (2.0): +0.3, -0.3
+    assert pooled["table"]["ppo"]["gold_minus_dpo"]["mean"] == pytest.approx(0.25)
+    assert pooled["table"]["ppo"]["gold_minus_dpo"]["se"] == pytest.approx(0.15)
+    assert pooled["table"]["ppo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(0.0)
+    # a tuning record is still not a report
+    (tmp_path / "tune.json").write_text(json.dumps({"phase": "tune", "runs": []}))
+    with pytest.raises(SystemExit):
+        main(["pool", joined[0], str(tmp_path / "tune.json"), "--out", str(tmp_path / "x.json")])
+    assert "not a methods report (phase 'tune')" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dpo_best_gold, over, message", [
     (2.0, {"methods": {"ppo": []}}, "ppo is also in"),
     (2.0, {"seeds": "1"}, "its seeds '1' differs"),
