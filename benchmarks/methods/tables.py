@@ -107,9 +107,9 @@ def pool(paths: Sequence[Path]) -> dict[str, Any]:
 def join(paths: Sequence[Path]) -> dict[str, Any]:
     """The runs of several saved reports of different methods on the same seeds (methods reported at different times,
     into one state folder or into state folders whose seeds' shared stages came out the same), and one table over all
-    of them, paired per seed. Raises ``ValueError`` (one line naming the
-    file) when a report is not a report, ran another preset, evaluation size or seed set, repeats a method, or has
-    another best-of-16 at a seed (not the same SFT policy, reward models and prompts: the rows would not pair)."""
+    of them, paired per seed. Raises ``ValueError`` (one line naming the file) when a report is not a report, ran
+    another preset, evaluation size or seed set, repeats a method, or has another best-of-16 at a seed (not the same
+    SFT policy, reward models and prompts: the rows would not pair)."""
     reports = _read_reports(paths, "join", ("preset", "eval", "seeds"), "the same seeds and evaluation")
     first = reports[0][1]
     rows: list[dict[str, Any]] = []
