@@ -123,6 +123,9 @@ TUNE_EVAL_PROMPTS = 256
 #: ... and of every report run: more again, so that a gap of a few tenths of gold is beyond two standard errors.
 REPORT_EVAL_PROMPTS = 512
 BEST_OF = 16
+#: The critic-free estimators' target: final gold at least this fraction of PPO's, read per seed as the paired
+#: difference gold - fraction x PPO's gold (met when its mean over the report seeds is >= 0).
+PPO_FRACTION = 0.9
 #: The seeds the next report runs on: no run of this work has used them (3-7 reported the choices of rounds 1-5, 8-12
 #: round 6's, 13-17 round 6's again and round 8's; docs/results.md declares which choice each set reports).
 REPORT_SEEDS = "18,19,20,21,22"

@@ -40,7 +40,8 @@ The protocol:
    them, for the record: the sweep chose without it), beside the sweep's frontier plot. Nothing is rerun.
 
 All runs share one state folder, so a seed's data, SFT policy, reward models and best-of-N are computed once. Prints
-JSON, writes ``benchmarks/results/methods.json`` and the gold-against-KL plot ``methods.png``.
+JSON, writes ``benchmarks/results/methods.json``, the gold-against-KL plot ``methods.png`` and the table as Markdown
+``methods.md`` (the critic-free estimators against ``PPO_FRACTION`` x PPO's gold among its columns).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import Any
 from benchmarks.common import REPO, default_out, machine, write_result
 from benchmarks.methods.protocol import (BEST_OF, KL_BUDGET, METHODS, REPORT_EVAL_PROMPTS, REPORT_SEEDS,
                                          TUNE_EVAL_PROMPTS, TUNING, method_of, method_setting)
-from benchmarks.methods.tables import aggregate, frontier, join, plot, pool
+from benchmarks.methods.tables import aggregate, frontier, join, markdown, plot, pool
 
 
 def sweep(preset: str, state: Path, seeds: str, grid: dict[str, list[str]], overrides: list[str],
@@ -263,8 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         payload = {"machine": machine(), "phase": args.phase, **combined}
         name = "methods_pooled" if args.phase == "pool" else "methods_joined"
         out = args.out or default_out(name, smoke=payload["preset"] != "demo")
-        plot(payload["runs"], out.with_suffix(".png"))
-        write_result(payload, out)
+        _write_report(payload, out)
         return
     if args.reports:
         parser.error(f"report files are read by pool and join only, not by {args.phase}")
@@ -283,8 +283,15 @@ def main(argv: list[str] | None = None) -> None:
         write_result(payload, args.out or default_out("methods_tuning", smoke))
         return
     payload |= {"methods": {m: METHODS[m] for m in args.methods}, "eval": args.eval, **report(args, state, logs)}
-    out = args.out or default_out("methods", smoke)
+    _write_report(payload, out=args.out or default_out("methods", smoke))
+
+
+def _write_report(payload: dict[str, Any], out: Path) -> None:
+    """A report's (or pooled or joined reports') JSON, with its gold-against-KL plot (``.png``) and its table as
+    Markdown (``.md``) beside it."""
     plot(payload["runs"], out.with_suffix(".png"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(markdown(payload["table"]))
     write_result(payload, out)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.methods.protocol import BEST_OF
+from benchmarks.methods.protocol import BEST_OF, PPO_FRACTION
 from rlhf_core.evaluation.metrics import frontier_at
 
 
@@ -29,14 +29,21 @@ def mean_se(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": sd, "se": sd / math.sqrt(len(values)), "n": len(values)}
 
 
+#: The key of the paired difference to the PPO target (``aggregate``).
+TARGET = f"gold_minus_{PPO_FRACTION:g}x_ppo"
+
+
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per method: mean / sd / se over seeds of gold, held-out, KL; hacking counts; the paired gold difference to
     best-of-16 and to DPO at the same seed, and gold's and the held-out RM's difference to the seed's best-of-N curve
-    at the run's KL. Best-of-16 once per seed (from any method's run of that seed)."""
+    at the run's KL. Every method but PPO, where PPO ran on each of its seeds: ``TARGET``, the paired difference gold -
+    ``PPO_FRACTION`` x PPO's gold, and ``gold_over_ppo``, the ratio of the two gold means. Best-of-16 once per seed
+    (from any method's run of that seed)."""
     ok = [r for r in rows if "failed" not in r]
     methods = list(dict.fromkeys(r["method"] for r in ok))
     best = {r["seed"]: r["best_of_16"] for r in ok}
     dpo = {r["seed"]: r["gold"] for r in ok if r["method"] == "dpo"}
+    ppo = {r["seed"]: r["gold"] for r in ok if r["method"] == "ppo"}
     table: dict[str, Any] = {}
     for method in methods:
         group = [r for r in ok if r["method"] == method]
@@ -48,9 +55,43 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
             entry[f"{judge}_minus_best_of_n_at_kl"] = mean_se([r["minus_best_of_n_at_kl"][judge] for r in group])
         if method != "dpo" and all(r["seed"] in dpo for r in group):
             entry["gold_minus_dpo"] = mean_se([r["gold"] - dpo[r["seed"]] for r in group])
+        if method != "ppo" and all(r["seed"] in ppo for r in group):
+            entry[TARGET] = mean_se([r["gold"] - PPO_FRACTION * ppo[r["seed"]] for r in group])
+            entry["gold_over_ppo"] = entry["gold"]["mean"] / statistics.fmean(ppo[r["seed"]] for r in group)
         table[method] = entry
     table[f"best-of-{BEST_OF}"] = {key: mean_se([b[key] for b in best.values()]) for key in ("gold", "heldout", "kl")}
     return table
+
+
+def markdown(table: dict[str, Any]) -> str:
+    """``aggregate``'s table as the Markdown table docs/results.md shows: mean over seeds (standard error) per method,
+    the paired differences, and the hacking counts; a dash where a column does not apply."""
+    def cell(entry: dict[str, Any], key: str, signed: bool = True, se: bool = True) -> str:
+        if key not in entry:
+            return "-"
+        value = entry[key]
+        number = f"{value['mean']:+.3f}" if signed else f"{value['mean']:.3f}"
+        return f"{number} ({value['se']:.3f})" if se else number
+
+    best_name = f"best-of-{BEST_OF}"
+    lines = [f"| method | final gold | held-out RM | KL | gold - {best_name} | gold - DPO | gold - {PPO_FRACTION:g} x PPO "
+             f"(gold / PPO's) | gold - best-of-N at own KL | held-out - best-of-N at own KL | hacking flagged "
+             f"(held-out / gold) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, entry in table.items():
+        if method == best_name:
+            continue
+        n = entry["gold"]["n"]
+        target = "-" if TARGET not in entry else f"{cell(entry, TARGET)}, {entry['gold_over_ppo']:.2f}"
+        lines.append(f"| {method} | {cell(entry, 'gold', False)} | {cell(entry, 'heldout', False, False)} | "
+                     f"{entry['kl']['mean']:.2f} ({entry['kl']['se']:.2f}) | {cell(entry, 'gold_minus_best_of_16')} | "
+                     f"{cell(entry, 'gold_minus_dpo')} | {target} | {cell(entry, 'gold_minus_best_of_n_at_kl')} | "
+                     f"{cell(entry, 'heldout_minus_best_of_n_at_kl')} | "
+                     f"{entry['hacking_heldout']} / {entry['hacking_gold']} of {n} |")
+    if best_name in table:
+        best = table[best_name]
+        lines.append(f"| {best_name} from SFT | {cell(best, 'gold', False)} | {cell(best, 'heldout', False, False)} | "
+                     f"{best['kl']['mean']:.2f} | - | - | - | - | - | - |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.methods.protocol import KL_BUDGET
 from benchmarks.methods.run import _run_row
-from benchmarks.methods.tables import aggregate
+from benchmarks.methods.tables import aggregate, markdown
 
 #: One seed's best-of-N points (n, KL, gold, held-out): best-of-16's KL rounded to 1.84 so the slopes are easy.
 BEST_OF_N = [(1, 0.0, 0.3, 0.1), (8, 1.2, 1.8, 0.5), (16, 1.84, 2.0, 0.6)]
@@ -61,6 +61,26 @@ def test_the_table_averages_the_matched_kl_differences_over_seeds(tmp_path: Path
     # against best-of-16 itself (gold 2.0 on both seeds): +0.3 and -0.3
     assert ppo["gold_minus_best_of_16"]["mean"] == pytest.approx(0.0)
     assert ppo["gold_minus_best_of_16"]["se"] == pytest.approx(0.3)
+
+
+def test_the_critic_free_target_is_paired_per_seed_with_ppo_and_shown_in_the_markdown_table(tmp_path: Path):
+    rows = [{"method": method, **_run_row(tmp_path, _summary(tmp_path, f"{method}{seed}", gold=gold, heldout=0.6,
+                                                               kl=1.84))}
+            for method, seed, gold in [("ppo", 0, 2.0), ("ppo", 1, 1.5), ("rloo", 0, 1.9), ("rloo", 1, 1.2)]]
+    table = aggregate(rows)
+    # gold - 0.9 x PPO per seed: 1.9 - 1.8 = +0.1 and 1.2 - 1.35 = -0.15; mean -0.025, sd 0.25 / sqrt(2), se 0.125
+    assert table["rloo"]["gold_minus_0.9x_ppo"]["mean"] == pytest.approx(-0.025)
+    assert table["rloo"]["gold_minus_0.9x_ppo"]["se"] == pytest.approx(0.125)
+    assert table["rloo"]["gold_over_ppo"] == pytest.approx(1.55 / 1.75)
+    assert "gold_minus_0.9x_ppo" not in table["ppo"] and "gold_minus_dpo" not in table["rloo"]
+    lines = markdown(table).splitlines()
+    assert len(lines) == 5 and lines[0].count("|") == lines[2].count("|") == 11
+    # PPO 1.75 (se 0.25), at best-of-16's KL and gold 2.0 on both seeds: -0.25 (0.25) from it; no target of its own
+    assert lines[2].startswith("| ppo | 1.750 (0.250) | 0.600 | 1.84 (0.00) | -0.250 (0.250) | - | - |")
+    assert lines[3].startswith("| rloo | 1.550 (0.350) | 0.600 | 1.84 (0.00) | -0.450 (0.350) | - | "
+                               "-0.025 (0.125), 0.89 |")
+    assert lines[3].endswith("| 0 / 0 of 2 |")
+    assert lines[4] == "| best-of-16 from SFT | 2.000 (0.000) | 0.600 | 1.84 | - | - | - | - | - | - |"
 
 
 def _report(path: Path, rows: list[dict[str, object]], *, seeds: str, **over: object) -> Path:
@@ -151,6 +171,7 @@ def test_join_pairs_the_methods_of_two_reports_on_the_same_seeds(tmp_path: Path,
     assert joined["table"]["ppo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(0.3)
     assert joined["table"]["dpo"]["gold_minus_best_of_16"]["mean"] == pytest.approx(-0.1)
     assert out.with_suffix(".png").is_file()
+    assert out.with_suffix(".md").read_text().splitlines()[3].startswith("| dpo | 1.900 (0.000) |")
     capsys.readouterr()
 
 

@@ -34,3 +34,7 @@ def test_the_report_phase_compares_methods_on_one_seed(tmp_path: Path):
     assert "gold_minus_dpo" not in table["dpo"]
     assert table["ppo"]["gold_minus_best_of_n_at_kl"]["mean"] == pytest.approx(ppo["minus_best_of_n_at_kl"]["gold"])
     assert out.with_suffix(".png").stat().st_size > 0
+    rows = out.with_suffix(".md").read_text().splitlines()  # header, rule, PPO, DPO, best-of-16
+    assert [row.split(" | ")[0] for row in rows[2:]] == ["| ppo", "| dpo", "| best-of-16 from SFT"]
+    assert rows[3].split(" | ")[6] == f"{table['dpo']['gold_minus_0.9x_ppo']['mean']:+.3f} (0.000), " \
+        f"{table['dpo']['gold_over_ppo']:.2f}"
