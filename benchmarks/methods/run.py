@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> None:
 def _write_report(payload: dict[str, Any], out: Path) -> None:
     """A report's (or pooled or joined reports') JSON, with its gold-against-KL plot (``.png``) and its table as
     Markdown (``.md``) beside it."""
-    plot(payload["runs"], out.with_suffix(".png"))
     out.parent.mkdir(parents=True, exist_ok=True)
+    plot(payload["runs"], out.with_suffix(".png"))
     out.with_suffix(".md").write_text(markdown(payload["table"]))
     write_result(payload, out)
 

@@ -29,6 +29,8 @@ def mean_se(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": sd, "se": sd / math.sqrt(len(values)), "n": len(values)}
 
 
+#: The table's row of best-of-N from each seed's SFT policy (``aggregate``).
+BEST_ROW = f"best-of-{BEST_OF}"
 #: The key of the paired difference to the PPO target (``aggregate``).
 TARGET = f"gold_minus_{PPO_FRACTION:g}x_ppo"
 
@@ -59,7 +61,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
             entry[TARGET] = mean_se([r["gold"] - PPO_FRACTION * ppo[r["seed"]] for r in group])
             entry["gold_over_ppo"] = entry["gold"]["mean"] / statistics.fmean(ppo[r["seed"]] for r in group)
         table[method] = entry
-    table[f"best-of-{BEST_OF}"] = {key: mean_se([b[key] for b in best.values()]) for key in ("gold", "heldout", "kl")}
+    table[BEST_ROW] = {key: mean_se([b[key] for b in best.values()]) for key in ("gold", "heldout", "kl")}
     return table
 
 
@@ -73,12 +75,11 @@ def markdown(table: dict[str, Any]) -> str:
         number = f"{value['mean']:+.3f}" if signed else f"{value['mean']:.3f}"
         return f"{number} ({value['se']:.3f})" if se else number
 
-    best_name = f"best-of-{BEST_OF}"
-    lines = [f"| method | final gold | held-out RM | KL | gold - {best_name} | gold - DPO | gold - {PPO_FRACTION:g} x PPO "
+    lines = [f"| method | final gold | held-out RM | KL | gold - {BEST_ROW} | gold - DPO | gold - {PPO_FRACTION:g} x PPO "
              f"(gold / PPO's) | gold - best-of-N at own KL | held-out - best-of-N at own KL | hacking flagged "
              f"(held-out / gold) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, entry in table.items():
-        if method == best_name:
+        if method == BEST_ROW:
             continue
         n = entry["gold"]["n"]
         target = "-" if TARGET not in entry else f"{cell(entry, TARGET)}, {entry['gold_over_ppo']:.2f}"
@@ -87,9 +88,9 @@ def markdown(table: dict[str, Any]) -> str:
                      f"{cell(entry, 'gold_minus_dpo')} | {target} | {cell(entry, 'gold_minus_best_of_n_at_kl')} | "
                      f"{cell(entry, 'heldout_minus_best_of_n_at_kl')} | "
                      f"{entry['hacking_heldout']} / {entry['hacking_gold']} of {n} |")
-    if best_name in table:
-        best = table[best_name]
-        lines.append(f"| {best_name} from SFT | {cell(best, 'gold', False)} | {cell(best, 'heldout', False, False)} | "
+    if BEST_ROW in table:
+        best = table[BEST_ROW]
+        lines.append(f"| {BEST_ROW} from SFT | {cell(best, 'gold', False)} | {cell(best, 'heldout', False, False)} | "
                      f"{best['kl']['mean']:.2f} | - | - | - | - | - | - |")
     return "\n".join(lines) + "\n"
 
@@ -106,7 +107,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         group = [r for r in ok if r["method"] == method]
         ax.scatter([r["kl"] for r in group], [r["gold"] for r in group], label=method, s=40)
     best = {r["seed"]: r["best_of_16"] for r in ok}
-    ax.scatter([b["kl"] for b in best.values()], [b["gold"] for b in best.values()], label=f"best-of-{BEST_OF}",
+    ax.scatter([b["kl"] for b in best.values()], [b["gold"] for b in best.values()], label=BEST_ROW,
                marker="x", s=60, color="black")
     ax.set_xlabel("KL to the SFT policy (nats per reply)")
     ax.set_ylabel("gold score of the final policy")
