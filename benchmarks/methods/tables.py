@@ -77,7 +77,8 @@ def markdown(table: dict[str, Any]) -> str:
 
     lines = [f"| method | final gold | held-out RM | KL | gold - {BEST_ROW} | gold - DPO | "
              f"gold - {PPO_FRACTION:g} x PPO (gold / PPO's) | gold - best-of-N at own KL | "
-             f"held-out - best-of-N at own KL | hacking flagged (held-out / gold) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"held-out - best-of-N at own KL | hacking flagged (held-out / gold) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for method, entry in table.items():
         if method == BEST_ROW:
             continue
