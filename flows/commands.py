@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows.errors import EXIT_DATA_ERROR, EXIT_FAILED, user_errors
+from flows.prefect_server import server_port, start_temporary_server
 
 if TYPE_CHECKING:
     from tasks.run_store import RunRecord, RunStore
 
 DEFAULT_STATE_DIR = ".rlhf_state"
 SERVER_FILE = "server.json"
+#: The API URL of the temporary Prefect server this command started (:func:`connect_prefect`), if it did.
+TEMPORARY_API_URL: str | None = None
 STAGES = ("data-prep", "sft", "reward-model", "best-of-n", "ppo-iteration", "heldout-eval", "rm-refresh", "dpo")
 ITERATED = ("ppo-iteration", "heldout-eval", "rm-refresh")
 #: Stages only one training method runs (``method``): asking to recompute one in a run of the other is refused.
@@ -144,7 +147,7 @@ def _execute(store: RunStore, run_id: str) -> int:
     from tasks.tracking.setup import check_server
 
     check_server(os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.tracking_uri)
-    ensure_prefect_database(store)
+    connect_prefect(store)
     try:
         summary = rlhf_pipeline(run_id=run_id, state_dir=str(store.root))
     except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, SIGTERM: Prefect's crash hook recorded the run
@@ -185,7 +188,8 @@ def failure_line(store: RunStore, run_id: str, error: BaseException) -> str:
         cause = cause[:399] + "…"
     if _is_connection_error(error):
         url = os.environ.get("PREFECT_API_URL")
-        cause += (f" (the Prefect API at {url} did not answer: is its server running?)" if url else
+        cause += (f" (the Prefect API at {url} did not answer: is its server running?)"
+                  if url and url != TEMPORARY_API_URL else
                   " (Prefect's temporary server did not answer; on a busy machine start a persistent one with "
                   f"`rlhf server --state-dir {store.root}` in another terminal)")
     return (f"rlhf: run {run_id} failed{where}: {cause}; log: {store.log_file(run_id)}; continue with: "
@@ -201,6 +205,24 @@ def _is_connection_error(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def connect_prefect(store: RunStore) -> None:
+    """The Prefect API this command's flows report to, answering before the first flow starts: a real server
+    (PREFECT_API_URL, or the state folder's `rlhf server`) as it is; otherwise a temporary server on the state
+    folder's database, in a session of its own (``flows.prefect_server``: a signal to the command's process group
+    leaves it to record how the runs ended, and it stops when the command exits)."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import get_current_settings
+
+    global TEMPORARY_API_URL
+    ensure_prefect_database(store)
+    settings = get_current_settings()
+    if settings.api.url:
+        return
+    TEMPORARY_API_URL = start_temporary_server(settings.server.ephemeral.startup_timeout_seconds)
+    os.environ["PREFECT_API_URL"] = TEMPORARY_API_URL  # for this process's settings, and inherited by its workers
+    refresh_global_settings_context()
 
 
 def ensure_prefect_database(store: RunStore) -> None:
@@ -235,21 +257,6 @@ def mlflow_hint(store: RunStore, summary: dict) -> str:
             f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{store.layout.mlflow_db} --port {port}\n"
             f"  then open {url}\n"
             f"  (all runs of the experiment, to select and compare: {runs})")
-
-
-def server_port(preferred: int) -> int:
-    """``preferred`` when nothing listens on it, else a port the system picks."""
-    import socket
-
-    for port in (preferred, 0):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return probe.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
 
 
 def _load(state_dir: str, run_id: str) -> tuple[RunStore, RunRecord]:

@@ -12,8 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
-from flows.commands import (DEFAULT_STATE_DIR, SERVER_FILE, ensure_prefect_database, prepare_environment,
-                            running_server, server_port)
+from flows.commands import DEFAULT_STATE_DIR, SERVER_FILE, ensure_prefect_database, prepare_environment, running_server
+from flows.prefect_server import die_with_parent, server_port, stop
 
 
 def add_serving_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -213,7 +213,7 @@ def _server(args: argparse.Namespace) -> int:
         # the UI asks the API at PREFECT_UI_API_URL, which otherwise stays on the default port
         env = {**os.environ, "PREFECT_UI_API_URL": url, "PREFECT_SERVER_API_PORT": str(port)}
         process = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                    "--port", str(port)], env=env, preexec_fn=_die_with_parent)
+                                    "--port", str(port)], env=env, preexec_fn=die_with_parent)
         info.write_text(json.dumps({"api_url": url, "pid": process.pid}) + "\n", encoding="utf-8")
         print(f"Prefect server for {root}: UI http://127.0.0.1:{port}; rlhf commands on this state folder use it."
               f"\nOther programs: export PREFECT_API_URL={url}", flush=True)
@@ -222,19 +222,5 @@ def _server(args: argparse.Namespace) -> int:
         return 0
     finally:
         info.unlink(missing_ok=True)
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def _die_with_parent() -> None:
-    """In the server's process before it starts: SIGTERM it when `rlhf server` dies, even by SIGKILL (Linux)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: Ctrl-C and SIGTERM still stop the server
-        pass
+        if process is not None:
+            stop(process, grace_s=30)

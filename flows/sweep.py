@@ -11,9 +11,11 @@ and continue the others where they stopped (a PPO iteration from its last checkp
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +28,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from flows.logs import run_logging
 from flows.pipeline import rlhf_pipeline
+from flows.prefect_server import die_with_parent
 from flows.sweep_plan import launch_order, selector, setting_label
 from flows.sweep_report import build_report, report_markdown, winner_metrics
 from tasks import tracking
@@ -105,10 +108,23 @@ def shared_api() -> Iterator[None]:
 
 
 def runs_runner(concurrency: int) -> ThreadPoolTaskRunner | ProcessPoolTaskRunner:
-    """One run at a time in this process; or ``concurrency`` worker processes, a run in each. Never threads side by
-    side: loading a model is not thread-safe (transformers creates it on the meta device by patching torch for the
-    whole process), and two runs in threads crashed with "Cannot copy out of meta tensor" in the demo's sweeps."""
-    return ThreadPoolTaskRunner(max_workers=1) if concurrency == 1 else RunsProcessPool(max_workers=concurrency)
+    """One run at a time in this process's main thread (:func:`_run_cells` calls the task there; the runner is
+    unused); or ``concurrency`` worker processes, a run in each. Never in another thread: a signal (SIGTERM, Ctrl-C)
+    reaches the main thread only, and a run in a worker thread went on computing after the sweep had stopped. Never
+    threads side by side either: loading a model is not thread-safe (transformers creates it on the meta device by
+    patching torch for the whole process), and two runs in threads crashed with "Cannot copy out of meta tensor"."""
+    return (ThreadPoolTaskRunner(max_workers=1) if concurrency == 1 else
+            RunsProcessPool(max_workers=concurrency, initializer=detach_worker))
+
+
+def detach_worker() -> None:
+    """In each worker process, before its first run: a session of its own, so that a signal to the sweep's process
+    group (Ctrl-C in a terminal, `timeout`, a service manager's stop) reaches the sweep alone, which then stops each
+    worker once (:class:`RunsProcessPool`; a second SIGTERM landing in a worker's clean-up left MLflow's SQLite
+    database locked for the others); and SIGKILL when the sweep's process dies without stopping it (as a SIGKILL to
+    the group did before)."""
+    os.setsid()
+    die_with_parent(signal.SIGKILL)
 
 
 #: Seconds a stopped sweep's worker processes get between SIGTERM and SIGKILL.
@@ -149,14 +165,19 @@ class RunsProcessPool(ProcessPoolTaskRunner):
 def _run_cells(record: SweepRecord, state_dir: str) -> dict[str, str]:
     """Each run's task, submitted in :func:`~flows.sweep_plan.launch_order` (a seed's first run computes what the
     others reuse, while runs of other seeds use the other slots); a run that fails is recorded (its own record and log
-    say why) and the others go on."""
-    futures = {cell.run_id: sweep_run_task.submit(f"{setting_label(cell.setting)} seed={cell.seed}", cell.run_id,
-                                                  state_dir)
-               for cell in launch_order(record.cells)}
+    say why) and the others go on. At ``concurrency`` 1 each run is called here, in this thread
+    (:func:`runs_runner`)."""
+    calls = [(f"{setting_label(cell.setting)} seed={cell.seed}", cell.run_id, state_dir)
+             for cell in launch_order(record.cells)]
+    if record.concurrency == 1:
+        results = {call[1]: functools.partial(sweep_run_task, *call) for call in calls}
+    else:
+        futures = {call[1]: sweep_run_task.submit(*call) for call in calls}
+        results = {run_id: future.result for run_id, future in futures.items()}
     statuses = {}
-    for run_id, future in futures.items():
+    for run_id, result in results.items():
         try:
-            statuses[run_id] = future.result()
+            statuses[run_id] = result()
         except Exception as error:  # the run's record, log and Prefect subflow hold the details
             statuses[run_id] = "failed"
             log.warning("sweep %s: run %s failed: %s", record.sweep_id, run_id, " ".join(str(error).split())[:300])

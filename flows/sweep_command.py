@@ -51,7 +51,7 @@ def add_sweep_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """Create the sweep (or load it, ``--resume``), run it, print its report; exit 0 when every run completed."""
-    from flows.commands import DEFAULT_STATE_DIR, ensure_prefect_database, prepare_environment, stopped_by
+    from flows.commands import DEFAULT_STATE_DIR, connect_prefect, prepare_environment, stopped_by
     from tasks.config import ConfigError
 
     if args.concurrency < 1:
@@ -72,7 +72,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         print(f"resuming sweep {sweep_id}", flush=True)
     else:
         store, sweep_id = create_sweep(args)
-    ensure_prefect_database(store)
+    connect_prefect(store)
     from flows.sweep import REPORT_MD, rlhf_sweep
     from flows.sweep_report import report_text
 

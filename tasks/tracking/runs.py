@@ -62,15 +62,17 @@ def sweep_run(experiment: str, sweep_id: str, run_name: str, params: Mapping[str
 def _tagged_run(experiment: str, kind: str, id_tag: str, identity: str, run_name: str,
                 params: Mapping[str, object] | None, tags: Mapping[str, str] | None,
                 amended: bool = False) -> Iterator[str]:
-    """The top-level run of kind ``kind`` whose ``id_tag`` is ``identity``: found by those tags, or started."""
+    """The run of kind ``kind`` whose ``id_tag`` is ``identity``: found by those tags, or started. Started nested
+    when this thread has a run active: a sweep's pipeline runs at ``--concurrency 1`` run in the sweep's thread, under
+    its run (as their parent tag says too)."""
     experiment_id = ensure_experiment(experiment)
     found = MlflowClient().search_runs([experiment_id], f"tags.`{id_tag}` = '{identity}' and "
                                                         f"tags.`{KIND_TAG}` = '{kind}'", max_results=1)
     all_tags = {KIND_TAG: kind, id_tag: identity, **(tags or {})}
     if found:
-        started = mlflow.start_run(run_id=found[0].info.run_id, tags=all_tags)
+        started = mlflow.start_run(run_id=found[0].info.run_id, tags=all_tags, nested=True)
     else:
-        started = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags)
+        started = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags, nested=True)
     with started as run:
         if params:
             log_params_flat(params, run.info.run_id, amended)

@@ -107,10 +107,14 @@ def test_kill_9_during_ppo_then_resume_matches_the_uninterrupted_run(tmp_path: P
 
 
 @pytest.mark.slow
-def test_sigterm_during_ppo_stops_the_run_and_its_prefect_server_in_one_line_then_resume_completes(tmp_path: Path):
-    """SIGTERM to the `rlhf run` process alone (`kill`, `timeout`): status 143, a line that says how to continue,
-    the run recorded crashed, and nothing left behind (Prefect re-sends the signal to the handler it found; with
-    Python's default one the process used to die on the spot and leave Prefect's temporary server running)."""
+@pytest.mark.parametrize("to_group", [False, True], ids=["process", "process-group"])
+def test_sigterm_during_ppo_stops_the_run_and_its_prefect_server_in_one_line_then_resume_completes(tmp_path: Path,
+                                                                                                  to_group: bool):
+    """SIGTERM to the `rlhf run` process alone (`kill`) or to its process group (`timeout`, a service manager's
+    stop, a cluster's time limit): status 143, a line that says how to continue, the run recorded crashed, and
+    nothing left behind. Prefect re-sends the signal to the handler it found (with Python's default one the process
+    used to die on the spot and leave Prefect's temporary server running); and Prefect's own temporary server, in
+    the command's group, died with a group signal and left the command retrying its reports for half an hour."""
     import psutil
 
     env, state = rlhf_env(), tmp_path / "state"
@@ -120,8 +124,12 @@ def test_sigterm_during_ppo_stops_the_run_and_its_prefect_server_in_one_line_the
     try:
         wait_for_mid_iteration_checkpoint(state, process)
         children = psutil.Process(process.pid).children(recursive=True)
-        assert any("uvicorn" in " ".join(child.cmdline()) for child in children)  # the temporary Prefect server
-        process.send_signal(signal.SIGTERM)
+        (server,) = [c for c in children if "flows.prefect_server" in " ".join(c.cmdline())]  # temporary server
+        assert os.getpgid(server.pid) != process.pid  # out of the group's signals: it records how the run ended
+        if to_group:
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
     finally:
         if process.poll() is None:

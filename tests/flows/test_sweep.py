@@ -184,14 +184,17 @@ def test_a_killed_sweep_resumes_keeping_finished_runs_and_continuing_the_rest(tm
     assert report["failed"] == [] and all(r["completed"] == 1 for r in report["settings"])
 
 
-def test_sigterm_stops_a_sweep_with_runs_side_by_side_leaving_no_process_and_it_resumes(tmp_path: Path):
-    """SIGTERM to the sweep's process alone (`kill`, `timeout`, a service manager): its worker processes stop their
-    runs instead of finishing them, and nothing of the sweep outlives it, not even Prefect's temporary server."""
+@pytest.mark.parametrize(("concurrency", "to_group"), [(2, False), (2, True), (1, True)],
+                         ids=["side-by-side-process", "side-by-side-process-group", "one-at-a-time-process-group"])
+def test_sigterm_stops_a_sweep_leaving_no_process_and_it_resumes(tmp_path: Path, concurrency: int, to_group: bool):
+    """SIGTERM to the sweep's process alone (`kill`) or to its process group (`timeout`, a service manager's stop, a
+    cluster's time limit; Ctrl-C in a terminal reaches the group too): its runs stop instead of finishing, whether in
+    worker processes or in its own thread, and nothing of the sweep outlives it, not even its Prefect server."""
     import psutil
 
     env, state = rlhf_env(), tmp_path / "state"
-    command = rlhf("sweep", "--preset", "tiny", *GRID, "--seeds", "0", "--concurrency", "2", "--state-dir",
-                   str(state), *SHARED)
+    command = rlhf("sweep", "--preset", "tiny", *GRID, "--seeds", "0", "--concurrency", str(concurrency),
+                   "--state-dir", str(state), *SHARED)
     err = tmp_path / "stderr.txt"
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err.open("w"),
                                start_new_session=True)
@@ -200,8 +203,12 @@ def test_sigterm_stops_a_sweep_with_runs_side_by_side_leaving_no_process_and_it_
         wait_for("a run of the sweep to start its stages", lambda: still_running(process, started), timeout=300,
                  interval=0.2)
         workers = psutil.Process(process.pid).children(recursive=True)
-        assert len(workers) >= 3  # the temporary Prefect server and two worker processes (with their helpers)
-        process.send_signal(signal.SIGTERM)
+        # the temporary Prefect server, and two worker processes (with their helpers) side by side
+        assert len(workers) >= (3 if concurrency == 2 else 1)
+        if to_group:
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 128 + signal.SIGTERM, err.read_text()[-3000:]
         stderr = err.read_text()
         assert " stopped by SIGTERM; " in stderr and "continue with: rlhf sweep --resume" in stderr

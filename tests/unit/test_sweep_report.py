@@ -132,14 +132,39 @@ def test_a_sweeps_runs_keep_every_iterations_resume_state_unless_the_sweep_says_
 
 
 def test_runs_side_by_side_go_to_worker_processes_never_threads():
-    """Loading models is not thread-safe (tests/flows/test_sweep.py runs two runs side by side end to end)."""
-    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+    """Loading models is not thread-safe (tests/flows/test_sweep.py runs two runs side by side end to end); each
+    worker starts in a session of its own, so that a signal to the sweep's group reaches the sweep alone."""
+    from prefect.task_runners import ProcessPoolTaskRunner
 
-    from flows.sweep import runs_runner
+    from flows.sweep import detach_worker, runs_runner
 
-    assert isinstance(runs_runner(1), ThreadPoolTaskRunner) and runs_runner(1)._max_workers == 1
     runner = runs_runner(2)
     assert isinstance(runner, ProcessPoolTaskRunner) and runner._max_workers == 2
+    assert runner._initializer is detach_worker and runner.duplicate()._initializer is detach_worker
+
+
+def test_a_sweep_at_concurrency_one_calls_its_runs_in_its_own_thread(monkeypatch):
+    """One run at a time runs in the sweep's (main) thread, where a signal lands, never in a worker thread (which
+    went on computing a run after the sweep had stopped)."""
+    import threading
+
+    import flows.sweep as sweep_flow
+    from tasks.run_store import SweepCell, SweepRecord
+
+    calls = []
+
+    def run(label: str, run_id: str, state_dir: str) -> str:
+        calls.append((run_id, threading.current_thread() is threading.main_thread()))
+        if run_id == "ra1":
+            raise RuntimeError("this run fails; the others go on")
+        return "completed"
+
+    monkeypatch.setattr(sweep_flow, "sweep_run_task", run)
+    cells = [SweepCell({"k": v}, seed, f"r{v}{seed}") for seed in (0, 1) for v in ("a", "b")]
+    record = SweepRecord("s", None, None, [], {"k": ["a", "b"]}, [0, 1], "heldout", cells, concurrency=1)
+    statuses = sweep_flow._run_cells(record, "unused")
+    assert statuses == {"ra0": "completed", "ra1": "failed", "rb0": "completed", "rb1": "completed"}
+    assert calls == [("ra0", True), ("ra1", True), ("rb0", True), ("rb1", True)]  # seed by seed, first runs first
 
 
 def test_runs_start_in_turn_over_the_seeds_so_runs_side_by_side_do_not_wait_on_each_other(monkeypatch) -> None:
