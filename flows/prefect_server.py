@@ -54,8 +54,8 @@ def server_port(preferred: int) -> int:
 def start_temporary_server(startup_timeout_s: float) -> str:
     """Start the server (from the main thread: the kernel's signal follows the thread that started it) on the
     database the current Prefect settings name; returns its API URL once it answers. RuntimeError (one line) when it
-    does not within ``startup_timeout_s``."""
-    deadline = time.monotonic() + startup_timeout_s
+    does not within ``startup_timeout_s``, or exits by itself on every try."""
+    deadline, process = time.monotonic() + startup_timeout_s, None
     for _ in range(PORT_TRIES):
         port = server_port(0)
         process = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", str(port)],
@@ -71,6 +71,9 @@ def start_temporary_server(startup_timeout_s: float) -> str:
         stop(process)
         if time.monotonic() >= deadline:
             break
+    if process is not None and process.returncode not in (None, -signal.SIGTERM, -signal.SIGKILL):  # not stopped: ended
+        raise RuntimeError(f"Prefect's temporary server exited with status {process.returncode} on each of "
+                           f"{PORT_TRIES} ports (its error is above)")
     raise RuntimeError(f"Prefect's temporary server did not answer within {startup_timeout_s:g} s "
                        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); on a busy machine start a persistent one "
                        "with `rlhf server` in another terminal")

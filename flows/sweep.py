@@ -122,7 +122,8 @@ def detach_worker() -> None:
     group (Ctrl-C in a terminal, `timeout`, a service manager's stop) reaches the sweep alone, which then stops each
     worker once (:class:`RunsProcessPool`; a second SIGTERM landing in a worker's clean-up left MLflow's SQLite
     database locked for the others); and SIGKILL when the sweep's process dies without stopping it (as a SIGKILL to
-    the group did before)."""
+    the group did before). The kernel ties that SIGKILL to the thread that started the worker: Prefect's pool starts
+    them from its resolver threads, which live until the pool has shut down, after its workers."""
     os.setsid()
     die_with_parent(signal.SIGKILL)
 
